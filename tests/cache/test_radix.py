@@ -563,3 +563,16 @@ def test_chain_thousands_of_nodes_deep():
         cache_sequence(cache, seq[:n])
     cache.reset()
     check(cache)
+
+
+def test_peek_node_names_the_deepest_fully_matched_node():
+    cache = make_cache()
+    cache_sequence(cache, [1, 2, 3, 4])
+    cache_sequence(cache, [1, 2, 3, 4, 5, 6])
+    leaf = cache.match_prefix([1, 2, 3, 4, 5, 6]).last_node
+    nodes = len(cache._nodes())
+    assert cache.peek_node([1, 2, 3, 4, 5, 6, 7]) == (leaf, 6)
+    assert cache.peek_node([1, 2, 3, 4, 5, 9]) == (leaf.parent, 5)
+    assert cache.peek_node([1, 2, 9]) == (cache.root_node, 2)
+    assert cache.peek_node([1, 2], extra_key="other") == (cache.root_node, 0)
+    assert len(cache._nodes()) == nodes, "peeking never splits"

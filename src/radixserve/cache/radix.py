@@ -255,10 +255,18 @@ class RadixCache:
 
     def peek_prefix(self, key: object, extra_key: Hashable | None = None) -> int:
         """The length `match_prefix` would return, changing nothing at all."""
+        return self.peek_node(key, extra_key)[1]
+
+    def peek_node(self, key: object, extra_key: Hashable | None = None) -> tuple[TreeNode, int]:
+        """Like `peek_prefix`, also naming the deepest node whose whole edge `key` matches.
+
+        The length may reach into a child of that node when the match ends inside an edge.
+        Changes nothing at all.
+        """
         kb = encode_key(key)
         root = self._roots.get(extra_key)
         if self.disable or root is None:
-            return 0
+            return self.root_node, 0
         step = self._page_bytes
         end = len(kb) - len(kb) % step
         node = root
@@ -269,10 +277,10 @@ class RadixCache:
                 break
             edge = child.key
             if not kb.startswith(edge, pos):
-                return pos // TOKEN_BYTES + self._common_prefix_tokens(kb, pos, edge, end)
+                return node, (pos // TOKEN_BYTES + self._common_prefix_tokens(kb, pos, edge, end))
             pos += len(edge)
             node = child
-        return pos // TOKEN_BYTES
+        return node, pos // TOKEN_BYTES
 
     def _split(self, child: TreeNode, tokens: int) -> TreeNode:
         """Cut `child`'s edge after `tokens` tokens; return the new upper node."""
