@@ -122,3 +122,40 @@ def test_user_policy_by_registration_and_by_instance():
 def test_objects_missing_the_protocol_are_refused():
     with pytest.raises(InvalidArgumentError, match="key"):
         make_eviction_policy(object())
+
+
+def test_split_rekeys_the_lower_part_for_policies_that_read_length():
+    class LongestFirst:
+        name = "longest-split"
+        tracks_access = False
+
+        def key(self, node):
+            return -len(node)
+
+    cache = RadixCache(TokenToKVPoolAllocator(64), eviction_policy=LongestFirst())
+    cache_sequence(cache, [1, 2, 3, 4, 5, 6])
+    cache_sequence(cache, [9, 9, 9])
+    cache.match_prefix([1, 2, 7])  # the 6-token leaf becomes a 2-token node over a 4-token leaf
+    cache.check_invariants()
+    assert cache.evict(1) == 4 and cache.peek_prefix([9, 9, 9]) == 3
+
+
+def test_refresh_eviction_key_follows_outside_state():
+    order = {"a": 1, "b": 2}
+
+    class External:
+        name = "external"
+        tracks_access = False
+
+        def key(self, node):
+            return order["a" if node.token_ids[0] == 1 else "b"]
+
+    cache = RadixCache(TokenToKVPoolAllocator(64), eviction_policy=External())
+    cache_sequence(cache, [1, 1])
+    cache_sequence(cache, [2, 2])
+    order["a"] = 3
+    with pytest.raises(Exception, match="heap key"):
+        cache.check_invariants()
+    cache.refresh_eviction_key(cache.match_prefix([1, 1]).last_node)
+    cache.check_invariants()
+    assert cache.evict(1) == 2 and cache.peek_prefix([1, 1]) == 2

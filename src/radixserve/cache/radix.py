@@ -302,6 +302,8 @@ class RadixCache:
         child.parent = upper
         upper.children[child.key[: self._page_bytes]] = child
         parent.children[upper.key[: self._page_bytes]] = upper
+        if child.heap_entry is not None:
+            self._rekey(child)  # its length and first page changed
         return upper
 
     # -- insertion -------------------------------------------------------------------------
@@ -406,6 +408,15 @@ class RadixCache:
     def _rekey(self, node: TreeNode) -> None:
         self._unlist(node)
         self._push(node)
+
+    def refresh_eviction_key(self, node: TreeNode) -> None:
+        """Recompute `node`'s eviction key after something the policy reads changed on it.
+
+        Policies whose keys depend on state outside the tree (an oracle reading a trace's
+        future, say) call this for the nodes whose keys they know to have changed.
+        """
+        if node.heap_entry is not None:
+            self._rekey(node)
 
     # -- eviction --------------------------------------------------------------------------
 

@@ -93,6 +93,8 @@ class BatchEntry:
     The model computes the KV of `token_ids` (at positions `len(prefix_slots)` onwards), writes
     it into `new_slots`, attends over `prefix_slots` plus `new_slots`, and, when `sample` is
     true, returns the next token. `sample` is false for a prefill chunk that is not the last.
+    The slot arrays are views into the request, valid until `process_batch_result`; do not
+    write to them.
     """
 
     req: Req
@@ -151,7 +153,10 @@ class Scheduler:
         cache: RadixCache,
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_admit: Callable[[Req], None] | None = None,
     ) -> None:
+        """`on_admit(req)` runs after each admission, once `req`'s prefix is matched and locked
+        (the policy lab's oracle uses it to learn which future uses have happened)."""
         self.cache = cache
         self.allocator = cache.allocator
         self.config = config or SchedulerConfig()
@@ -171,6 +176,7 @@ class Scheduler:
             cfg.init_new_token_ratio, cfg.min_new_token_ratio, cfg.new_token_ratio_decay
         )
         self.clock = clock
+        self.on_admit = on_admit
         self.waiting: list[Req] = []
         self.prefilling: Req | None = None
         self.running: list[Req] = []
@@ -405,6 +411,8 @@ class Scheduler:
         head = self.config.in_batch_prefix_defer_threshold
         if head and len(req.input_ids) >= head:
             rnd.heads.add(req.input_ids[:head].tobytes())
+        if self.on_admit is not None:
+            self.on_admit(req)
         return True
 
     def _add_chunk(self, req: Req, rnd: _Round, first: bool) -> bool:
@@ -432,8 +440,8 @@ class Scheduler:
             BatchEntry(
                 req,
                 req.token_ids(start + chunk)[start:],
-                req.kv_slots[:start].copy(),
-                req.kv_slots[start : start + chunk].copy(),
+                req.kv_slots[:start],
+                req.kv_slots[start : start + chunk],
                 sample=chunk == extend,
             )
         )
@@ -505,8 +513,8 @@ class Scheduler:
             BatchEntry(
                 r,
                 np.array(r.output_ids[-1:], dtype=np.int32),
-                r.kv_slots[: r.kv_len].copy(),
-                r.kv_slots[r.kv_len : r.kv_len + 1].copy(),
+                r.kv_slots[: r.kv_len],
+                r.kv_slots[r.kv_len : r.kv_len + 1],
                 sample=True,
             )
             for r in self.running

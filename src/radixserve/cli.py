@@ -1,0 +1,156 @@
+"""The `radixserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from radixserve.errors import InvalidArgumentError
+
+log = logging.getLogger("radixserve")
+
+
+def _split(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def parse_cache_sizes(value: str) -> list[tuple[str, float]]:
+    """'1%,5%,65536' -> [('fraction', 1.0), ('fraction', 5.0), ('tokens', 65536)]."""
+    sizes: list[tuple[str, float]] = []
+    for item in _split(value):
+        try:
+            if item.endswith("%"):
+                sizes.append(("fraction", float(item[:-1])))
+            else:
+                sizes.append(("tokens", int(item)))
+        except ValueError:
+            raise InvalidArgumentError(
+                f"--cache entries must be percentages like 5% or token counts, got {item!r}"
+            ) from None
+    if not sizes:
+        raise InvalidArgumentError("--cache needs at least one size")
+    return sizes
+
+
+def parse_cost_model(value: str | None):
+    """'decode_step=0.01,prefill_per_token=1e-4' -> a CostModel with those constants changed."""
+    from dataclasses import fields
+
+    from radixserve.sim.costmodel import CostModel
+
+    if not value:
+        return CostModel()
+    names = {f.name for f in fields(CostModel)}
+    changes = {}
+    for item in _split(value):
+        name, _, number = item.partition("=")
+        if name not in names:
+            raise InvalidArgumentError(f"--cost: unknown constant {name!r}; known: {sorted(names)}")
+        try:
+            changes[name] = float(number)
+        except ValueError:
+            raise InvalidArgumentError(f"--cost: {name} needs a number, got {number!r}") from None
+    return CostModel(**changes)
+
+
+def _load(trace: str, fmt: str, block_size: int, seed: int):
+    from radixserve.sim.traces import load_trace
+    from radixserve.sim.workloads import make_workload
+
+    if trace.startswith("workload:"):
+        return make_workload(trace.split(":", 1)[1], seed=seed)
+    return load_trace(trace, fmt=fmt, block_size=block_size)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from radixserve.sim.oracle import infinite_cache
+    from radixserve.sim.replay import ReplayConfig, replay
+    from radixserve.sim.report import markdown_table, plot_hit_rates, write_csv, write_json
+
+    trace = _load(args.trace, args.format, args.block_size, args.seed)
+    evictions, schedules = _split(args.eviction), _split(args.schedule)
+    sizes = parse_cache_sizes(args.cache)
+    cost_model = parse_cost_model(args.cost)
+    bound, unique = infinite_cache(trace)
+    log.info("trace: %d requests, %d unique tokens", len(trace), unique)
+    results = []
+    for eviction in evictions:
+        for schedule in schedules:
+            for kind, size in sizes:
+                config = ReplayConfig(
+                    eviction_policy=eviction,
+                    schedule_policy=schedule,
+                    kv_cache_tokens=int(size) if kind == "tokens" else None,
+                    cache_fraction=size if kind == "fraction" else None,
+                    page_size=args.page_size,
+                    arrivals=args.arrivals,
+                    max_running_requests=args.max_running_requests,
+                    chunked_prefill_size=args.chunked_prefill_size,
+                    cost_model=cost_model,
+                )
+                results.append(replay(trace, config, unique=unique, progress=sys.stderr.isatty()))
+    print(markdown_table(results, infinite_bound=bound))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_csv(out / "replay.csv", results)
+        write_json(
+            out / "replay.json",
+            results,
+            trace=args.trace,
+            requests=len(trace),
+            unique_tokens=unique,
+            infinite_cache_bound=bound,
+        )
+        plot_hit_rates(out / "hit_rate.png", results, bound, title=Path(args.trace).name)
+        log.info(
+            "wrote %s",
+            ", ".join(str(out / n) for n in ("replay.csv", "replay.json", "hit_rate.png")),
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    rp = sub.add_parser(
+        "replay",
+        help="replay a trace through the scheduler and cache under a cost model",
+        description="Replay TRACE (a Mooncake or radixserve JSONL file, or workload:NAME for a "
+        "synthetic workload) for every eviction x schedule x cache size combination.",
+    )
+    rp.add_argument("trace")
+    rp.add_argument("--eviction", default="lru", help="comma-separated policies (or belady)")
+    rp.add_argument("--schedule", default="fcfs", help="comma-separated schedule policies")
+    rp.add_argument("--cache", default="5%", help="comma-separated sizes: 5%% or token counts")
+    rp.add_argument("--page-size", type=int, default=1)
+    rp.add_argument("--arrivals", choices=("trace", "burst"), default="trace")
+    rp.add_argument("--format", choices=("auto", "mooncake", "tokens"), default="auto")
+    rp.add_argument("--block-size", type=int, default=512, help="Mooncake block size")
+    rp.add_argument("--max-running-requests", type=int, default=256)
+    rp.add_argument("--chunked-prefill-size", type=int, default=8192)
+    rp.add_argument("--seed", type=int, default=0, help="seed for workload:NAME traces")
+    rp.add_argument(
+        "--cost", help="cost-model constants, e.g. decode_step=0.01,prefill_per_token=1e-4"
+    )
+    rp.add_argument("--out", help="directory for replay.csv, replay.json and hit_rate.png")
+    rp.set_defaults(func=cmd_replay)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except (InvalidArgumentError, FileNotFoundError) as exc:
+        parser.exit(2, f"radixserve: error: {exc}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

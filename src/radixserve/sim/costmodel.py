@@ -1,0 +1,51 @@
+"""A cost model that stands in for the GPU: how long a batch takes, in seconds.
+
+Prefill of n new tokens after a cached prefix of p tokens costs
+`prefill_per_token * n + prefill_attention_per_pair * n * (p + n / 2)`: the linear layers
+scale with the new tokens, attention with new tokens times the context they attend over, so a
+cache hit saves both. A decode step over a batch costs
+`decode_step + decode_per_request * batch_size + decode_per_context_token * total_context`.
+
+The defaults are of the order of a 7B model on one datacenter GPU; they are constants to
+change, not measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from radixserve.errors import InvalidArgumentError
+from radixserve.sched.scheduler import Batch, ForwardMode
+
+
+@dataclass(frozen=True)
+class CostModel:
+    prefill_per_token: float = 6.0e-5
+    prefill_attention_per_pair: float = 1.0e-9
+    prefill_batch_overhead: float = 2.0e-3
+    decode_step: float = 8.0e-3
+    decode_per_request: float = 5.0e-5
+    decode_per_context_token: float = 2.0e-8
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise InvalidArgumentError(f"cost model {f.name} must be >= 0, got {value!r}")
+
+    def prefill_time(self, new_tokens: int, prefix_tokens: int) -> float:
+        pairs = new_tokens * (prefix_tokens + new_tokens / 2)
+        return self.prefill_per_token * new_tokens + self.prefill_attention_per_pair * pairs
+
+    def batch_time(self, batch: Batch) -> float:
+        """Seconds the batch's forward pass takes."""
+        if batch.mode is ForwardMode.EXTEND:
+            return self.prefill_batch_overhead + sum(
+                self.prefill_time(len(e.token_ids), len(e.prefix_slots)) for e in batch.entries
+            )
+        context = sum(len(e.prefix_slots) + 1 for e in batch.entries)
+        return (
+            self.decode_step
+            + self.decode_per_request * len(batch.entries)
+            + self.decode_per_context_token * context
+        )

@@ -1,0 +1,283 @@
+"""Replay a trace through the real Scheduler and RadixCache, with a cost model for time.
+
+The replay is the engine's loop with the model replaced: `scheduler.step()`, the cost model
+advances a simulated clock by the batch's duration, the "model" emits each request's next
+answer token (the trace's `output_ids` where known, else a token of its own), and
+`scheduler.process_batch_result()`. Both the scheduler and the cache read the simulated
+clock, so LRU and the latency metrics see simulated time, and a replay is deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
+from radixserve.cache.evict import EvictionPolicy, make_eviction_policy
+from radixserve.cache.radix import RadixCache
+from radixserve.errors import InvalidArgumentError
+from radixserve.sched.request import Req, SamplingParams, pages
+from radixserve.sched.scheduler import Batch, Scheduler, SchedulerConfig
+from radixserve.sim.costmodel import CostModel
+from radixserve.sim.oracle import BeladyPolicy, unique_tokens
+from radixserve.sim.traces import TraceRequest
+
+_SYNTHETIC_BASE = 2**30
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """One replay's settings. Give the KV capacity as `kv_cache_tokens` or `cache_fraction`.
+
+    `cache_fraction` is a share of the trace's unique tokens. A pool is never made smaller
+    than the largest single request (prompt plus answer): below that the request could not
+    run at all; the result records both the asked and the used capacity.
+    """
+
+    eviction_policy: str = "lru"
+    schedule_policy: str = "fcfs"
+    kv_cache_tokens: int | None = None
+    cache_fraction: float | None = None
+    page_size: int = 1
+    arrivals: str = "trace"
+    enable_radix_cache: bool = True
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 8192
+    scheduler_options: dict = field(default_factory=dict)
+    cost_model: CostModel = field(default_factory=CostModel)
+    check_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.kv_cache_tokens is None) == (self.cache_fraction is None):
+            raise InvalidArgumentError("give exactly one of kv_cache_tokens and cache_fraction")
+        if self.kv_cache_tokens is not None and (
+            not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < 1
+        ):
+            raise InvalidArgumentError(
+                f"kv_cache_tokens must be an integer >= 1, got {self.kv_cache_tokens!r}"
+            )
+        if self.cache_fraction is not None and not 0 < self.cache_fraction <= 100:
+            raise InvalidArgumentError(
+                f"cache_fraction must be in (0, 100], got {self.cache_fraction!r}"
+            )
+        if self.arrivals not in ("trace", "burst"):
+            raise InvalidArgumentError(f"arrivals must be trace or burst, got {self.arrivals!r}")
+
+
+@dataclass
+class ReplayResult:
+    """What one replay measured. Times are simulated seconds unless named `wall`."""
+
+    eviction_policy: str
+    schedule_policy: str
+    kv_tokens_requested: int
+    kv_tokens: int
+    cache_fraction: float
+    requests: int
+    failed: int
+    token_hit_rate: float
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    prefill_tokens_computed: int
+    prefill_computed_fraction: float
+    output_tokens: int
+    makespan: float
+    throughput_tokens_per_s: float
+    requests_per_s: float
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    e2e_p50: float
+    e2e_p90: float
+    e2e_p99: float
+    queue_delay_p99: float
+    evicted_tokens: int
+    retractions: int
+    wall_seconds: float
+    sched_cache_us_per_request: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else math.nan
+
+
+def _capacity(trace: Sequence[TraceRequest], config: ReplayConfig, unique: int) -> tuple[int, int]:
+    page = config.page_size
+    if config.kv_cache_tokens is not None:
+        asked = config.kv_cache_tokens
+    else:
+        asked = max(1, round(config.cache_fraction / 100.0 * unique))
+    largest = max(len(r.input_ids) + r.output_len for r in trace)
+    return asked, pages(max(asked, largest), page)
+
+
+def make_policy(
+    name: str, trace: Sequence[TraceRequest], page_size: int
+) -> EvictionPolicy | BeladyPolicy:
+    """A registered eviction policy, or the offline `belady` oracle for this trace."""
+    if name == "belady":
+        return BeladyPolicy(trace, page_size)
+    return make_eviction_policy(name)
+
+
+def replay(
+    trace: Sequence[TraceRequest],
+    config: ReplayConfig,
+    *,
+    unique: int | None = None,
+    progress: bool = False,
+) -> ReplayResult:
+    """Serve `trace` under `config` and measure it. `unique` may pass a precomputed
+    `unique_tokens(trace)` when sizing the cache by fraction."""
+    if not trace:
+        raise InvalidArgumentError("the trace is empty")
+    if unique is None:
+        unique = unique_tokens(trace)
+    asked, kv_tokens = _capacity(trace, config, unique)
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    policy = make_policy(config.eviction_policy, trace, config.page_size)
+    allocator = PagedTokenToKVPoolAllocator(kv_tokens, config.page_size)
+    cache = RadixCache(
+        allocator,
+        page_size=config.page_size,
+        eviction_policy=policy,
+        disable=not config.enable_radix_cache,
+        clock=clock,
+    )
+    on_admit = None
+    if isinstance(policy, BeladyPolicy):
+        policy.bind(cache)
+        on_admit = policy.on_admit
+    sched_config = SchedulerConfig(
+        schedule_policy=config.schedule_policy,
+        max_running_requests=config.max_running_requests,
+        chunked_prefill_size=config.chunked_prefill_size,
+        **config.scheduler_options,
+    )
+    scheduler = Scheduler(cache, sched_config, clock=clock, on_admit=on_admit)
+    index = {r.rid: i for i, r in enumerate(trace)}
+    if len(index) != len(trace):
+        raise InvalidArgumentError("trace request ids must be unique")
+
+    def model(batch: Batch) -> list[int]:
+        out = []
+        for entry in batch.entries:
+            req = entry.req
+            i, k = index[req.rid], len(req.output_ids)
+            answer = trace[i].output_ids
+            if answer is not None and k < len(answer):
+                out.append(int(answer[k]))
+            else:
+                out.append(_SYNTHETIC_BASE + (i * 65_536 + k) % _SYNTHETIC_BASE)
+        return out
+
+    arrivals = [0.0 if config.arrivals == "burst" else r.arrival for r in trace]
+    ready: list[tuple[float, int]] = []
+    blocked: dict[str, list[int]] = {}
+    for i, r in enumerate(trace):
+        if r.after is None:
+            ready.append((arrivals[i], i))
+        elif r.after not in index or r.after == r.rid:
+            raise InvalidArgumentError(f"request {r.rid}: after={r.after!r} names no other request")
+        else:
+            blocked.setdefault(r.after, []).append(i)
+    heapq.heapify(ready)
+    ttft, e2e, queue = [], [], []
+    failed = output_tokens = sent = 0
+    wall = 0.0
+    n = len(trace)
+    bar = tqdm(total=n, desc="replay", unit="req", disable=not progress, leave=False)
+    started = time.perf_counter()
+    while sent < n or scheduler.has_work():
+        tick = time.perf_counter()
+        while ready and ready[0][0] <= now[0]:
+            sent_at, i = heapq.heappop(ready)
+            r = trace[i]
+            scheduler.add_request(
+                Req(
+                    r.rid,
+                    r.input_ids,
+                    SamplingParams(max_new_tokens=r.output_len, ignore_eos=True),
+                    priority=r.priority,
+                    arrival_time=sent_at,
+                )
+            )
+            sent += 1
+        batch = scheduler.step() if scheduler.has_work() else None
+        wall += time.perf_counter() - tick
+        if batch is not None:
+            now[0] += config.cost_model.batch_time(batch)
+            tokens = model(batch)
+            tick = time.perf_counter()
+            scheduler.process_batch_result(batch, tokens)
+            wall += time.perf_counter() - tick
+            if config.check_invariants:
+                scheduler.check_invariants()
+        finished = scheduler.pop_finished()
+        for req in finished:
+            bar.update(1)
+            for child in blocked.pop(req.rid, ()):
+                heapq.heappush(ready, (max(arrivals[child], now[0]), child))
+            if req.finish_reason.kind == "abort":
+                failed += 1
+                continue
+            output_tokens += len(req.output_ids)
+            e2e.append(req.finish_time - req.arrival_time)
+            if req.first_token_time is not None:
+                ttft.append(req.first_token_time - req.arrival_time)
+            queue.append(req.first_scheduled_time - req.arrival_time)
+        if batch is None and not finished:
+            if ready:
+                now[0] = max(now[0], ready[0][0])
+            elif scheduler.has_work():
+                raise RuntimeError("the scheduler stalled with work queued")  # a bug, not input
+            elif sent < n:
+                raise InvalidArgumentError(
+                    f"{n - sent} requests wait on an `after` that never finishes (a cycle?)"
+                )
+    bar.close()
+    elapsed = time.perf_counter() - started
+    stats = scheduler.stats
+    makespan = now[0] - min(arrivals)
+    return ReplayResult(
+        eviction_policy=config.eviction_policy,
+        schedule_policy=config.schedule_policy,
+        kv_tokens_requested=asked,
+        kv_tokens=kv_tokens,
+        cache_fraction=kv_tokens / unique if unique else math.nan,
+        requests=n,
+        failed=failed,
+        token_hit_rate=stats.cached_prompt_tokens / max(1, stats.prompt_tokens),
+        prompt_tokens=stats.prompt_tokens,
+        cached_prompt_tokens=stats.cached_prompt_tokens,
+        prefill_tokens_computed=stats.computed_prefill_tokens,
+        prefill_computed_fraction=stats.computed_prefill_tokens / max(1, stats.prompt_tokens),
+        output_tokens=output_tokens,
+        makespan=makespan,
+        throughput_tokens_per_s=output_tokens / makespan if makespan > 0 else math.nan,
+        requests_per_s=(n - failed) / makespan if makespan > 0 else math.nan,
+        ttft_p50=_percentile(ttft, 50),
+        ttft_p90=_percentile(ttft, 90),
+        ttft_p99=_percentile(ttft, 99),
+        e2e_p50=_percentile(e2e, 50),
+        e2e_p90=_percentile(e2e, 90),
+        e2e_p99=_percentile(e2e, 99),
+        queue_delay_p99=_percentile(queue, 99),
+        evicted_tokens=stats.evicted_tokens,
+        retractions=stats.retractions,
+        wall_seconds=elapsed,
+        sched_cache_us_per_request=wall / n * 1e6,
+    )

@@ -1,0 +1,99 @@
+"""Reports of policy-lab replays: a markdown table, CSV and JSON files, and a hit-rate plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from radixserve.sim.replay import ReplayResult
+
+COLUMNS = (
+    ("eviction", lambda r: r.eviction_policy),
+    ("schedule", lambda r: r.schedule_policy),
+    ("cache tokens", lambda r: f"{r.kv_tokens:,}"),
+    ("cache %", lambda r: f"{100 * r.cache_fraction:.2f}"),
+    ("hit rate %", lambda r: f"{100 * r.token_hit_rate:.2f}"),
+    ("prefill computed %", lambda r: f"{100 * r.prefill_computed_fraction:.1f}"),
+    ("tok/s", lambda r: f"{r.throughput_tokens_per_s:,.0f}"),
+    ("TTFT p50 s", lambda r: f"{r.ttft_p50:.3f}"),
+    ("TTFT p99 s", lambda r: f"{r.ttft_p99:.3f}"),
+    ("e2e p99 s", lambda r: f"{r.e2e_p99:.3f}"),
+    ("queue p99 s", lambda r: f"{r.queue_delay_p99:.3f}"),
+    ("evicted", lambda r: f"{r.evicted_tokens:,}"),
+    ("retractions", lambda r: str(r.retractions)),
+    ("failed", lambda r: str(r.failed)),
+    ("µs/req", lambda r: f"{r.sched_cache_us_per_request:.0f}"),
+)
+
+
+def markdown_table(results: Sequence[ReplayResult], infinite_bound: float | None = None) -> str:
+    """One row per replay; the first percentage column is the token hit rate."""
+    lines = [
+        "| " + " | ".join(name for name, _ in COLUMNS) + " |",
+        "|" + "|".join("---" for _ in COLUMNS) + "|",
+    ]
+    lines += ["| " + " | ".join(cell(r) for _, cell in COLUMNS) + " |" for r in results]
+    if infinite_bound is not None:
+        lines.append(f"\nInfinite-cache bound: {100 * infinite_bound:.2f}% token hit rate.")
+    return "\n".join(lines)
+
+
+def write_csv(path: str | Path, results: Sequence[ReplayResult]) -> None:
+    rows = [r.as_dict() for r in results]
+    with Path(path).open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_json(path: str | Path, results: Sequence[ReplayResult], **extra) -> None:
+    payload = {**extra, "results": [r.as_dict() for r in results]}
+    Path(path).write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n")
+
+
+def plot_hit_rates(
+    path: str | Path,
+    results: Sequence[ReplayResult],
+    infinite_bound: float,
+    title: str = "token hit rate by cache size",
+) -> None:
+    """Hit rate against cache size (% of unique tokens), one line per policy pair.
+
+    The offline Belady lines, when present, are dashed; the infinite-cache bound is a
+    horizontal line.
+    """
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[tuple[str, str], list[ReplayResult]] = {}
+    for r in results:
+        series.setdefault((r.eviction_policy, r.schedule_policy), []).append(r)
+    for (eviction, schedule), rows in series.items():
+        rows = sorted(rows, key=lambda r: r.cache_fraction)
+        style = "--" if eviction == "belady" else "-"
+        ax.plot(
+            [100 * r.cache_fraction for r in rows],
+            [100 * r.token_hit_rate for r in rows],
+            style,
+            marker="o",
+            label=f"{eviction} / {schedule}",
+        )
+    ax.axhline(100 * infinite_bound, color="black", linestyle=":", label="infinite cache")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("KV cache size, % of unique tokens")
+    ax.set_ylabel("token hit rate, %")
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

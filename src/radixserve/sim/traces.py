@@ -1,0 +1,184 @@
+"""Trace formats for the policy lab: Mooncake JSONL and radixserve's own token JSONL.
+
+Mooncake JSONL (the FAST'25 traces): one request per line with `timestamp` (ms),
+`input_length`, `output_length` and `hash_ids`. Each hash id names a block of `block_size`
+tokens (512 in the published traces): equal ids mean equal content, and a request's prompt is
+its blocks in order, cut to `input_length`. Block `h` becomes the token ids
+`h * block_size + [0, block_size)`, so distinct ids give distinct blocks.
+
+radixserve JSONL: one request per line with `input_ids` (a list of token ids) and optionally
+`rid`, `arrival` (seconds), `output_len` (default 128), `output_ids` (what the model will
+answer, so that later prompts can reuse it), `priority`, and `after` (the rid of a request that
+must finish before this one is sent, as a chat client waits for the previous answer).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from radixserve.cache.hashing import TOKEN_DTYPE
+from radixserve.errors import InvalidArgumentError
+
+_TOKEN_LIMIT = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace: when it arrives, its prompt, and how long its answer is."""
+
+    rid: str
+    arrival: float
+    input_ids: np.ndarray
+    output_len: int
+    output_ids: np.ndarray | None = None
+    priority: int = 0
+    after: str | None = None
+    """The rid of a request whose answer this prompt quotes: it is sent once that one ends."""
+
+
+def _fail(path: Path, line_no: int, message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{path}:{line_no}: {message}")
+
+
+def _records(path: Path) -> Iterable[tuple[int, dict]]:
+    with path.open() as handle:
+        for line_no, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise _fail(path, line_no, f"not JSON: {exc.msg}") from None
+            if not isinstance(record, dict):
+                raise _fail(path, line_no, "each line must be a JSON object")
+            yield line_no, record
+
+
+def _int_field(path: Path, line_no: int, record: dict, name: str, lo: int = 0) -> int:
+    value = record.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise _fail(path, line_no, f"{name} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def read_mooncake(path: str | Path, block_size: int = 512) -> list[TraceRequest]:
+    """Read a Mooncake JSONL trace; prompts are built from `hash_ids` blocks."""
+    path = Path(path)
+    if not isinstance(block_size, int) or block_size < 1:
+        raise InvalidArgumentError(f"block_size must be an integer >= 1, got {block_size!r}")
+    offsets = np.arange(block_size, dtype=np.int64)
+    out = []
+    for line_no, record in _records(path):
+        timestamp = record.get("timestamp")
+        if not isinstance(timestamp, (int, float)) or isinstance(timestamp, bool):
+            raise _fail(path, line_no, f"timestamp must be a number (ms), got {timestamp!r}")
+        input_len = _int_field(path, line_no, record, "input_length", lo=1)
+        output_len = _int_field(path, line_no, record, "output_length")
+        hash_ids = record.get("hash_ids")
+        if not isinstance(hash_ids, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
+        ):
+            raise _fail(path, line_no, "hash_ids must be a list of non-negative integers")
+        if input_len > len(hash_ids) * block_size:
+            raise _fail(
+                path,
+                line_no,
+                f"input_length {input_len} exceeds {len(hash_ids)} blocks of {block_size}",
+            )
+        blocks = np.asarray(hash_ids[: -(-input_len // block_size)], dtype=np.int64)
+        if blocks.size and (blocks.max() + 1) * block_size > _TOKEN_LIMIT:
+            raise _fail(path, line_no, "a hash id is too large for int32 token ids")
+        tokens = (blocks[:, None] * block_size + offsets).ravel()[:input_len]
+        out.append(
+            TraceRequest(
+                rid=str(record.get("rid", f"req-{len(out)}")),
+                arrival=float(timestamp) / 1000.0,
+                input_ids=tokens.astype(TOKEN_DTYPE),
+                output_len=output_len,
+            )
+        )
+    return sorted(out, key=lambda r: r.arrival)
+
+
+def read_token_jsonl(path: str | Path) -> list[TraceRequest]:
+    """Read radixserve's own JSONL trace (explicit token ids)."""
+    path = Path(path)
+    out = []
+    for line_no, record in _records(path):
+        ids = record.get("input_ids")
+        if not isinstance(ids, list) or not ids:
+            raise _fail(path, line_no, "input_ids must be a non-empty list of token ids")
+        arr = np.asarray(ids)
+        if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > _TOKEN_LIMIT:
+            raise _fail(path, line_no, "input_ids must be integers in [0, 2**31)")
+        output_ids = record.get("output_ids")
+        out_arr = None
+        if output_ids is not None:
+            out_arr = np.asarray(output_ids)
+            if out_arr.ndim != 1 or (out_arr.size and out_arr.dtype.kind not in "iu"):
+                raise _fail(path, line_no, "output_ids must be a list of token ids")
+            out_arr = out_arr.astype(TOKEN_DTYPE)
+        output_len = record.get("output_len", len(out_arr) if out_arr is not None else 128)
+        if not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 0:
+            raise _fail(path, line_no, f"output_len must be an integer >= 0, got {output_len!r}")
+        arrival = record.get("arrival", 0.0)
+        if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or arrival < 0:
+            raise _fail(path, line_no, f"arrival must be seconds >= 0, got {arrival!r}")
+        priority = record.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise _fail(path, line_no, f"priority must be an integer, got {priority!r}")
+        after = record.get("after")
+        if after is not None and not isinstance(after, str):
+            raise _fail(path, line_no, f"after must be a request id string, got {after!r}")
+        out.append(
+            TraceRequest(
+                rid=str(record.get("rid", f"req-{len(out)}")),
+                arrival=float(arrival),
+                input_ids=arr.astype(TOKEN_DTYPE),
+                output_len=output_len,
+                output_ids=out_arr,
+                priority=priority,
+                after=after,
+            )
+        )
+    return sorted(out, key=lambda r: r.arrival)
+
+
+def write_token_jsonl(path: str | Path, trace: Iterable[TraceRequest]) -> None:
+    """Write `trace` in radixserve's JSONL format (readable by `read_token_jsonl`)."""
+    with Path(path).open("w") as handle:
+        for r in trace:
+            record = {
+                "rid": r.rid,
+                "arrival": r.arrival,
+                "input_ids": r.input_ids.tolist(),
+                "output_len": r.output_len,
+                "priority": r.priority,
+            }
+            if r.after is not None:
+                record["after"] = r.after
+            if r.output_ids is not None:
+                record["output_ids"] = r.output_ids.tolist()
+            handle.write(json.dumps(record) + "\n")
+
+
+def load_trace(path: str | Path, fmt: str = "auto", block_size: int = 512) -> list[TraceRequest]:
+    """Read a trace file; `fmt` is `mooncake`, `tokens`, or `auto` (sniffed from line one)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidArgumentError(f"trace file {path} does not exist")
+    if fmt == "auto":
+        fmt = "tokens"
+        for _, record in _records(path):
+            fmt = "mooncake" if "hash_ids" in record else "tokens"
+            break
+    if fmt == "mooncake":
+        return read_mooncake(path, block_size)
+    if fmt == "tokens":
+        return read_token_jsonl(path)
+    raise InvalidArgumentError(f"trace format must be auto, mooncake or tokens, got {fmt!r}")

@@ -1,0 +1,246 @@
+"""Seeded synthetic workloads in the shape of the SGLang paper's benchmarks.
+
+Every generator returns a list of `TraceRequest` in arrival order, and is a pure function of
+its arguments and `seed`. Token ids are drawn from a 32,000-token vocabulary, so unrelated
+content never shares a prefix by accident. Answers are part of the trace (`output_ids`):
+where a later prompt quotes an earlier answer (chat history, agent trajectories, thoughts),
+the replayed model emits exactly that answer, so the cache can reuse its KV as a server would.
+
+`rate` gives Poisson arrivals at that many requests per second; None puts every arrival at 0.
+A request that quotes an earlier answer names it in `after`, and the replay sends it only once
+that answer is complete, as a client would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from radixserve.cache.hashing import TOKEN_DTYPE
+from radixserve.errors import InvalidArgumentError
+from radixserve.sim.traces import TraceRequest
+
+VOCAB = 32_000
+
+
+class _Gen:
+    def __init__(self, seed: int, rate: float | None) -> None:
+        if rate is not None and not rate > 0:
+            raise InvalidArgumentError(f"rate must be > 0 requests/s or None, got {rate!r}")
+        self.rng = np.random.default_rng(seed)
+        self.rate = rate
+
+    def tokens(self, n: int) -> np.ndarray:
+        return self.rng.integers(0, VOCAB, n, dtype=TOKEN_DTYPE)
+
+    def finish(self, items: list[tuple]) -> list[TraceRequest]:
+        """Items are (prompt, answer) or (prompt, answer, index of the item it follows)."""
+        times = (
+            np.cumsum(self.rng.exponential(1.0 / self.rate, len(items)))
+            if self.rate
+            else np.zeros(len(items))
+        )
+        out = []
+        for i, (item, t) in enumerate(zip(items, times, strict=True)):
+            prompt, answer = item[0], item[1]
+            after = f"req-{item[2]}" if len(item) > 2 and item[2] is not None else None
+            out.append(TraceRequest(f"req-{i}", float(t), prompt, len(answer), answer, 0, after))
+        return out
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def shared_prefix(
+    num_groups: int = 64,
+    prompts_per_group: int = 16,
+    system_len: int = 1024,
+    question_len: int = 128,
+    output_len: int = 64,
+    zipf: float | None = None,
+    seed: int = 0,
+    rate: float | None = None,
+) -> list[TraceRequest]:
+    """Prompt groups sharing a system prompt, in random order (SGLang's generated-shared-prefix).
+
+    With `zipf`, each of the num_groups * prompts_per_group requests picks its group with
+    probability proportional to 1 / rank**zipf instead of every group getting the same count.
+    """
+    _positive(num_groups=num_groups, prompts_per_group=prompts_per_group, system_len=system_len)
+    _positive(question_len=question_len, output_len=output_len)
+    gen = _Gen(seed, rate)
+    systems = [gen.tokens(system_len) for _ in range(num_groups)]
+    total = num_groups * prompts_per_group
+    if zipf is None:
+        groups = np.repeat(np.arange(num_groups), prompts_per_group)
+        gen.rng.shuffle(groups)
+    else:
+        if not zipf > 0:
+            raise InvalidArgumentError(f"zipf must be > 0, got {zipf!r}")
+        weights = 1.0 / np.arange(1, num_groups + 1) ** zipf
+        groups = gen.rng.choice(num_groups, size=total, p=weights / weights.sum())
+    items = [
+        (np.concatenate([systems[g], gen.tokens(question_len)]), gen.tokens(output_len))
+        for g in groups
+    ]
+    return gen.finish(items)
+
+
+def multi_turn(
+    num_sessions: int = 32,
+    turns: int = 8,
+    system_len: int = 256,
+    user_len: int = 64,
+    output_len: int = 64,
+    order: str = "round-robin",
+    seed: int = 0,
+    rate: float | None = None,
+) -> list[TraceRequest]:
+    """Chat sessions; each turn's prompt is the whole history (answers included) plus a new message.
+
+    `order` is `round-robin` (turn 1 of every session, then turn 2, ...) or `random` (sessions
+    interleaved at random, turns in order within each).
+    """
+    _positive(num_sessions=num_sessions, turns=turns, user_len=user_len, output_len=output_len)
+    if order not in ("round-robin", "random"):
+        raise InvalidArgumentError(f"order must be round-robin or random, got {order!r}")
+    gen = _Gen(seed, rate)
+    histories = [gen.tokens(system_len) for _ in range(num_sessions)]
+    last: list[int | None] = [None] * num_sessions
+    if order == "round-robin":
+        schedule = [s for _ in range(turns) for s in range(num_sessions)]
+    else:
+        schedule = list(np.repeat(np.arange(num_sessions), turns))
+        gen.rng.shuffle(schedule)
+    items = []
+    for s in schedule:
+        prompt = np.concatenate([histories[s], gen.tokens(user_len)])
+        answer = gen.tokens(output_len)
+        histories[s] = np.concatenate([prompt, answer])
+        items.append((prompt, answer, last[s]))
+        last[s] = len(items) - 1
+    return gen.finish(items)
+
+
+def few_shot(
+    num_subjects: int = 16,
+    shots: int = 5,
+    example_len: int = 256,
+    questions_per_subject: int = 32,
+    instruction_len: int = 64,
+    question_len: int = 64,
+    output_len: int = 8,
+    seed: int = 0,
+    rate: float | None = None,
+) -> list[TraceRequest]:
+    """k-shot prompts: a shared instruction, each subject's fixed examples, then a question."""
+    _positive(num_subjects=num_subjects, shots=shots, example_len=example_len)
+    _positive(questions_per_subject=questions_per_subject, question_len=question_len)
+    gen = _Gen(seed, rate)
+    instruction = gen.tokens(instruction_len)
+    examples = [
+        np.concatenate([gen.tokens(example_len) for _ in range(shots)]) for _ in range(num_subjects)
+    ]
+    subjects = np.repeat(np.arange(num_subjects), questions_per_subject)
+    gen.rng.shuffle(subjects)
+    items = [
+        (
+            np.concatenate([instruction, examples[s], gen.tokens(question_len)]),
+            gen.tokens(output_len),
+        )
+        for s in subjects
+    ]
+    return gen.finish(items)
+
+
+def tree_of_thought(
+    num_trees: int = 16,
+    depth: int = 3,
+    branching: int = 3,
+    problem_len: int = 256,
+    step_len: int = 32,
+    output_len: int = 64,
+    order: str = "in-order",
+    seed: int = 0,
+    rate: float | None = None,
+) -> list[TraceRequest]:
+    """Thought trees: each node's prompt is its parent's prompt, the parent's thought and a cue.
+
+    `order` is `in-order` (each tree depth-first, one tree after another) or `shuffled`.
+    """
+    _positive(num_trees=num_trees, depth=depth, branching=branching, problem_len=problem_len)
+    _positive(step_len=step_len, output_len=output_len)
+    if order not in ("in-order", "shuffled"):
+        raise InvalidArgumentError(f"order must be in-order or shuffled, got {order!r}")
+    gen = _Gen(seed, rate)
+    items: list[tuple] = []
+    for _ in range(num_trees):
+        stack = [(np.concatenate([gen.tokens(problem_len), gen.tokens(step_len)]), 0, None)]
+        while stack:
+            prompt, level, parent = stack.pop()
+            thought = gen.tokens(output_len)
+            items.append((prompt, thought, parent))
+            if level + 1 < depth:
+                for _ in range(branching):
+                    child = np.concatenate([prompt, thought, gen.tokens(step_len)])
+                    stack.append((child, level + 1, len(items) - 1))
+    if order == "shuffled":
+        perm = gen.rng.permutation(len(items))
+        position = {int(old): new for new, old in enumerate(perm)}
+        items = [
+            (items[i][0], items[i][1], None if items[i][2] is None else position[items[i][2]])
+            for i in perm
+        ]
+    return gen.finish(items)
+
+
+def agent_sessions(
+    num_agents: int = 16,
+    steps: int = 16,
+    system_len: int = 512,
+    observation_len: int = 128,
+    output_len: int = 32,
+    seed: int = 0,
+    rate: float | None = None,
+) -> list[TraceRequest]:
+    """Append-only agents: each step's prompt is the last prompt, its answer and a new observation.
+
+    Agents take steps in turn (round-robin).
+    """
+    _positive(num_agents=num_agents, steps=steps, system_len=system_len)
+    _positive(observation_len=observation_len, output_len=output_len)
+    gen = _Gen(seed, rate)
+    contexts = [gen.tokens(system_len) for _ in range(num_agents)]
+    last: list[int | None] = [None] * num_agents
+    items = []
+    for _ in range(steps):
+        for a in range(num_agents):
+            prompt = np.concatenate([contexts[a], gen.tokens(observation_len)])
+            action = gen.tokens(output_len)
+            contexts[a] = np.concatenate([prompt, action])
+            items.append((prompt, action, last[a]))
+            last[a] = len(items) - 1
+    return gen.finish(items)
+
+
+WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
+    "shared-prefix": shared_prefix,
+    "shared-prefix-zipf": lambda **kw: shared_prefix(zipf=kw.pop("zipf", 1.1), **kw),
+    "multi-turn": multi_turn,
+    "multi-turn-random": lambda **kw: multi_turn(order="random", **kw),
+    "few-shot": few_shot,
+    "tree-of-thought": tree_of_thought,
+    "tree-of-thought-shuffled": lambda **kw: tree_of_thought(order="shuffled", **kw),
+    "agent": agent_sessions,
+}
+
+
+def make_workload(name: str, **kwargs) -> list[TraceRequest]:
+    """The named synthetic workload; keyword arguments go to its generator."""
+    if name not in WORKLOADS:
+        raise InvalidArgumentError(f"workload must be one of {sorted(WORKLOADS)}, got {name!r}")
+    return WORKLOADS[name](**kwargs)

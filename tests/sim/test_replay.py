@@ -1,0 +1,111 @@
+"""Replays drive the real scheduler and cache, deterministically, and measure what they claim."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from radixserve.errors import InvalidArgumentError
+from radixserve.sim.costmodel import CostModel
+from radixserve.sim.replay import ReplayConfig, replay
+from radixserve.sim.traces import TraceRequest
+from radixserve.sim.workloads import make_workload
+
+SMALL = {
+    "shared-prefix": {"num_groups": 6, "prompts_per_group": 5, "system_len": 64},
+    "multi-turn": {"num_sessions": 4, "turns": 4, "system_len": 32},
+    "few-shot": {"num_subjects": 4, "questions_per_subject": 6, "example_len": 32},
+    "tree-of-thought-shuffled": {"num_trees": 3, "depth": 3, "branching": 2, "problem_len": 64},
+    "agent": {"num_agents": 4, "steps": 4, "system_len": 64},
+}
+
+
+@pytest.mark.parametrize("workload", sorted(SMALL))
+@pytest.mark.parametrize("schedule", ["fcfs", "lpm", "dfs-weight"])
+def test_small_replays_finish_everything_with_invariants_checked(workload, schedule):
+    trace = make_workload(workload, seed=0, **SMALL[workload])
+    config = ReplayConfig(
+        eviction_policy="lru", schedule_policy=schedule, cache_fraction=20, check_invariants=True
+    )
+    result = replay(trace, config)
+    assert result.requests == len(trace) and result.failed == 0
+    assert result.prompt_tokens == sum(len(r.input_ids) for r in trace)
+    assert result.output_tokens == sum(r.output_len for r in trace)
+    assert 0 <= result.token_hit_rate <= 1
+    # Every prompt token is either a first-admission hit or computed (recomputation adds more).
+    assert result.prefill_tokens_computed + result.cached_prompt_tokens >= result.prompt_tokens
+    assert result.token_hit_rate == result.cached_prompt_tokens / result.prompt_tokens
+    assert result.ttft_p50 <= result.ttft_p99 <= result.e2e_p99
+    assert result.makespan > 0 and result.throughput_tokens_per_s > 0
+
+
+def test_replays_are_deterministic():
+    trace = make_workload("multi-turn", seed=0, **SMALL["multi-turn"])
+    config = ReplayConfig(schedule_policy="lpm", cache_fraction=5)
+    a, b = replay(trace, config).as_dict(), replay(trace, config).as_dict()
+    for volatile in ("wall_seconds", "sched_cache_us_per_request"):
+        a.pop(volatile), b.pop(volatile)
+    assert a == b
+
+
+def test_a_follow_up_is_sent_after_its_parent_and_reuses_the_answer():
+    parent = TraceRequest(
+        "p", 0.0, np.arange(1, 9, dtype=np.int32), 4, np.array([50, 51, 52, 53], np.int32)
+    )
+    child = TraceRequest(
+        "c", 0.0, np.array([*range(1, 9), 50, 51, 52, 53, 7, 7], np.int32), 2, after="p"
+    )
+    result = replay([parent, child], ReplayConfig(kv_cache_tokens=1000, arrivals="burst"))
+    # The child reuses the parent's 8 prompt tokens and the KV of 3 of its 4 answer tokens
+    # (the last answer token was sampled but never fed back through the model).
+    assert result.token_hit_rate == pytest.approx(11 / 22)
+
+
+def test_bad_dependencies_are_refused():
+    a = TraceRequest("a", 0.0, np.array([1], np.int32), 1, after="b")
+    b = TraceRequest("b", 0.0, np.array([2], np.int32), 1, after="a")
+    with pytest.raises(InvalidArgumentError, match="never finishes"):
+        replay([a, b], ReplayConfig(kv_cache_tokens=100))
+    lost = TraceRequest("x", 0.0, np.array([1], np.int32), 1, after="nobody")
+    with pytest.raises(InvalidArgumentError, match="names no other request"):
+        replay([lost], ReplayConfig(kv_cache_tokens=100))
+
+
+def test_capacity_never_drops_below_the_largest_request():
+    trace = make_workload("few-shot", seed=0, **SMALL["few-shot"])
+    result = replay(trace, ReplayConfig(cache_fraction=0.01))
+    largest = max(len(r.input_ids) + r.output_len for r in trace)
+    assert result.kv_tokens == largest and result.kv_tokens_requested < largest
+    assert result.failed == 0
+
+
+def test_cost_model_prices_prefill_attention_and_decode():
+    cost = CostModel(
+        prefill_per_token=1.0, prefill_attention_per_pair=0.1, prefill_batch_overhead=0.0
+    )
+    assert cost.prefill_time(new_tokens=4, prefix_tokens=10) == pytest.approx(4 + 0.1 * 4 * 12)
+    cached_is_cheaper = cost.prefill_time(4, 0) < cost.prefill_time(14, 0)
+    assert cached_is_cheaper
+    with pytest.raises(InvalidArgumentError, match="decode_step"):
+        CostModel(decode_step=-1)
+
+
+def test_config_validation():
+    with pytest.raises(InvalidArgumentError, match="exactly one"):
+        ReplayConfig()
+    with pytest.raises(InvalidArgumentError, match="exactly one"):
+        ReplayConfig(kv_cache_tokens=5, cache_fraction=5)
+    with pytest.raises(InvalidArgumentError, match="arrivals"):
+        ReplayConfig(kv_cache_tokens=5, arrivals="now")
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        replay([], ReplayConfig(kv_cache_tokens=5))
+
+
+def test_disabled_cache_computes_every_prompt_token():
+    trace = make_workload("shared-prefix", seed=0, **SMALL["shared-prefix"])
+    result = replay(trace, ReplayConfig(cache_fraction=50, enable_radix_cache=False))
+    assert result.token_hit_rate == 0
+    assert result.prefill_tokens_computed >= result.prompt_tokens
+    assert not math.isnan(result.ttft_p99)

@@ -1,0 +1,101 @@
+"""Trace readers: Mooncake JSONL and radixserve's token JSONL."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from radixserve.errors import InvalidArgumentError
+from radixserve.sim.replay import ReplayConfig, replay
+from radixserve.sim.traces import (
+    TraceRequest,
+    load_trace,
+    read_mooncake,
+    read_token_jsonl,
+    write_token_jsonl,
+)
+
+
+def write_lines(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+MOONCAKE = [
+    {"timestamp": 0, "input_length": 8, "output_length": 2, "hash_ids": [1, 2]},
+    {"timestamp": 10, "input_length": 10, "output_length": 2, "hash_ids": [1, 2, 3]},
+    {"timestamp": 20, "input_length": 6, "output_length": 2, "hash_ids": [1, 5]},
+]
+
+
+def test_mooncake_blocks_become_distinct_token_runs(tmp_path):
+    trace = read_mooncake(write_lines(tmp_path / "t.jsonl", MOONCAKE), block_size=4)
+    assert [r.arrival for r in trace] == [0.0, 0.01, 0.02]
+    assert trace[0].input_ids.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert trace[1].input_ids.tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    assert trace[2].input_ids.tolist() == [4, 5, 6, 7, 20, 21]
+    assert [r.output_len for r in trace] == [2, 2, 2]
+
+
+def test_mooncake_replay_reproduces_the_hand_computed_hit_rate(tmp_path):
+    # Request 2 reuses blocks 1-2 (8 tokens), request 3 block 1 (4 tokens): 12 of 24 tokens.
+    trace = load_trace(write_lines(tmp_path / "t.jsonl", MOONCAKE), block_size=4)
+    result = replay(trace, ReplayConfig(kv_cache_tokens=1000, check_invariants=True))
+    assert result.token_hit_rate == pytest.approx(12 / 24)
+    assert result.prefill_tokens_computed == 24 - 12
+    assert result.failed == 0
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [1, 2]}, "exceeds"),
+        ({"timestamp": "x", "input_length": 1, "output_length": 1, "hash_ids": [1]}, "timestamp"),
+        ({"timestamp": 0, "input_length": 1, "output_length": -1, "hash_ids": [1]}, "output"),
+        ({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [-1]}, "hash_ids"),
+    ],
+)
+def test_mooncake_errors_name_the_line_and_field(tmp_path, record, message):
+    path = write_lines(tmp_path / "t.jsonl", [MOONCAKE[0], record])
+    with pytest.raises(InvalidArgumentError, match=f"t.jsonl:2: .*{message}"):
+        read_mooncake(path, block_size=4)
+
+
+def test_malformed_json_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"input_ids": [1]}\n{not json}\n')
+    with pytest.raises(InvalidArgumentError, match=r"bad\.jsonl:2: not JSON"):
+        load_trace(path)
+    with pytest.raises(InvalidArgumentError, match="does not exist"):
+        load_trace(tmp_path / "missing.jsonl")
+
+
+def test_token_jsonl_round_trips(tmp_path):
+    trace = [
+        TraceRequest("a", 0.5, np.array([1, 2, 3], np.int32), 2, np.array([7, 8], np.int32)),
+        TraceRequest("b", 1.0, np.array([1, 2, 3, 7, 8, 4], np.int32), 5, priority=2, after="a"),
+    ]
+    path = tmp_path / "t.jsonl"
+    write_token_jsonl(path, trace)
+    back = load_trace(path)
+    assert [r.rid for r in back] == ["a", "b"]
+    assert back[0].output_ids.tolist() == [7, 8] and back[1].output_ids is None
+    assert back[1].after == "a" and back[1].priority == 2 and back[1].output_len == 5
+    assert back[1].input_ids.tolist() == [1, 2, 3, 7, 8, 4]
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"input_ids": []},
+        {"input_ids": [1.5]},
+        {"input_ids": [1], "output_len": -2},
+        {"input_ids": [1], "arrival": -1},
+        {"input_ids": [1], "after": 3},
+    ],
+)
+def test_token_jsonl_rejects_bad_fields(tmp_path, record):
+    with pytest.raises(InvalidArgumentError, match=r"t\.jsonl:1"):
+        read_token_jsonl(write_lines(tmp_path / "t.jsonl", [record]))

@@ -1,0 +1,80 @@
+"""`radixserve replay`: the table, the files and the errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from radixserve.cli import main, parse_cache_sizes
+from radixserve.errors import InvalidArgumentError
+from radixserve.sim.traces import write_token_jsonl
+from radixserve.sim.workloads import make_workload
+
+
+def test_replay_writes_table_csv_json_and_png(tmp_path, capsys):
+    trace_path = tmp_path / "trace.jsonl"
+    write_token_jsonl(
+        trace_path,
+        make_workload("few-shot", num_subjects=3, questions_per_subject=4, example_len=16),
+    )
+    out = tmp_path / "out"
+    code = main(
+        [
+            "replay",
+            str(trace_path),
+            "--eviction",
+            "lru,belady",
+            "--schedule",
+            "fcfs,lpm",
+            "--cache",
+            "5%,50%",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    table = capsys.readouterr().out
+    header, _rule, *rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert header.split("|")[5].strip() == "hit rate %", "the first percentage column"
+    assert len(rows) == 2 * 2 * 2
+    assert "Infinite-cache bound" in table
+    with (out / "replay.csv").open() as handle:
+        assert len(list(csv.DictReader(handle))) == 8
+    payload = json.loads((out / "replay.json").read_text())
+    assert len(payload["results"]) == 8 and 0 < payload["infinite_cache_bound"] < 1
+    png = (out / "hit_rate.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_replay_of_a_named_workload(capsys):
+    assert main(["replay", "workload:agent", "--cache", "20%"]) == 0
+    assert "| lru | fcfs |" in capsys.readouterr().out
+
+
+def test_cache_sizes_parse_and_bad_ones_exit_2(capsys):
+    assert parse_cache_sizes("1%, 5%,4096") == [
+        ("fraction", 1.0),
+        ("fraction", 5.0),
+        ("tokens", 4096),
+    ]
+    with pytest.raises(InvalidArgumentError):
+        parse_cache_sizes("lots")
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", "workload:agent", "--cache", "lots"])
+    assert exc.value.code == 2
+    assert "--cache" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", "/nonexistent/trace.jsonl"])
+    assert exc.value.code == 2
+
+
+def test_cost_constants_are_settable_by_name():
+    from radixserve.cli import parse_cost_model
+
+    assert parse_cost_model("decode_step=0.5").decode_step == 0.5
+    with pytest.raises(InvalidArgumentError, match="unknown constant"):
+        parse_cost_model("speed=3")
+    with pytest.raises(InvalidArgumentError, match="needs a number"):
+        parse_cost_model("decode_step=fast")
