@@ -1,0 +1,63 @@
+"""Engine configuration. Options carry the same names in the CLI (with dashes) and the docs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixserve.cache.evict import available_eviction_policies
+from radixserve.errors import InvalidArgumentError
+from radixserve.sched.policy import make_schedule_policy
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build an `Engine`. `model=None` is the embedded SmolLM2-135M-Instruct."""
+
+    model: str | None = None
+    enable_radix_cache: bool = True
+    page_size: int = 1
+    eviction_policy: str = "lru"
+    schedule_policy: str = "fcfs"
+    kv_cache_tokens: int | None = None
+    chunked_prefill_size: int = 2048
+    max_running_requests: int = 64
+    dtype: str | None = None
+    device: str = "cpu"
+    threads: int | None = None
+    seed: int = 0
+    max_context: int | None = None
+    decode_attention: str = "auto"
+    scheduler_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "chunked_prefill_size", "max_running_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("kv_cache_tokens", "threads", "max_context"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidArgumentError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if self.eviction_policy not in available_eviction_policies():
+            raise InvalidArgumentError(
+                f"eviction_policy must be one of {available_eviction_policies()}, "
+                f"got {self.eviction_policy!r}"
+            )
+        make_schedule_policy(self.schedule_policy)
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise InvalidArgumentError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.decode_attention not in ("auto", "sdpa", "matmul"):
+            raise InvalidArgumentError(
+                f"decode_attention must be auto, sdpa or matmul, got {self.decode_attention!r}"
+            )
+
+    @property
+    def resolved_dtype(self) -> str:
+        """float32 on CPU and bfloat16 on CUDA unless `dtype` says otherwise."""
+        if self.dtype is not None:
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"

@@ -1,0 +1,382 @@
+"""The Engine: tokenizer -> scheduler -> model -> sampler -> detokenizer, one step at a time.
+
+    engine = Engine()                                   # the embedded SmolLM2-135M-Instruct
+    [result] = engine.generate("The capital of France is", {"max_new_tokens": 16})
+    result.text, result.token_ids, result.finish_reason, result.usage
+
+`Engine.step()` is the whole loop body: `scheduler.step()`, one model forward over the batch,
+sampling, `scheduler.process_batch_result()`, incremental detokenization and stop strings.
+The engine is not thread-safe; the server runs it on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
+from radixserve.cache.radix import RadixCache
+from radixserve.config import EngineConfig
+from radixserve.errors import InvalidArgumentError
+from radixserve.model.attention import AttentionMetadata, TorchAttention
+from radixserve.model.kv import KVPool
+from radixserve.model.loader import load_model
+from radixserve.model.sampling import SampleOutput, SamplingState, sample
+from radixserve.model.tokenizer import IncrementalDetokenizer
+from radixserve.sched.request import FinishReason, Req, SamplingParams
+from radixserve.sched.scheduler import Batch, ForwardMode, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_TOKENS = 16_384
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class GenerateResult:
+    """One finished request: its text, its output token ids, why it ended, and usage."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    error: str | None = None
+    logprobs: list[SampleOutput] | None = None
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class StreamChunk:
+    """What one request produced in one engine step."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    result: GenerateResult | None = None
+
+
+@dataclass
+class _Live:
+    req: Req
+    sampling: SamplingState
+    detok: IncrementalDetokenizer
+    seen: int = 0
+    logprobs: list[SampleOutput] = field(default_factory=list)
+
+
+class Engine:
+    """A serving engine over one model. Keyword arguments are `EngineConfig` fields."""
+
+    def __init__(self, model: str | None = None, **options) -> None:
+        self.config = config = EngineConfig(model=model, **options)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise InvalidArgumentError("device=cuda was asked for but CUDA is not available")
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.resolved_dtype)
+        loaded = load_model(config.model, self.dtype, self.device)
+        self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
+        mc = self.model.config
+        self.max_context = min(config.max_context or loaded.max_context, loaded.max_context)
+        page = config.page_size
+        kv_tokens = config.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS
+        kv_tokens = -(-kv_tokens // page) * page
+        self.allocator = PagedTokenToKVPoolAllocator(kv_tokens, page)
+        self.cache = RadixCache(
+            self.allocator,
+            page_size=page,
+            eviction_policy=config.eviction_policy,
+            disable=not config.enable_radix_cache,
+        )
+        sched_config = SchedulerConfig(
+            schedule_policy=config.schedule_policy,
+            max_running_requests=config.max_running_requests,
+            chunked_prefill_size=max(config.chunked_prefill_size, page),
+            **config.scheduler_options,
+        )
+        self.scheduler = Scheduler(self.cache, sched_config)
+        self.kv = KVPool(
+            mc.num_hidden_layers,
+            self.allocator.num_slots,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.attention = TorchAttention(decode=config.decode_attention)
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng(config.seed)
+        log.info(
+            "model %s (%s, %.1fM parameters, %d layers, context %d) on %s in %s",
+            self.model_name,
+            loaded.source,
+            mc.num_parameters() / 1e6,
+            mc.num_hidden_layers,
+            self.max_context,
+            self.device,
+            config.resolved_dtype,
+        )
+        log.info(
+            "KV cache: %d tokens (%.1f MiB), page size %d; radix cache %s, eviction %s, "
+            "schedule %s, chunked prefill %d, max running %d",
+            kv_tokens,
+            self.kv.nbytes() / 2**20,
+            page,
+            "on" if config.enable_radix_cache else "off",
+            config.eviction_policy,
+            config.schedule_policy,
+            sched_config.chunked_prefill_size,
+            config.max_running_requests,
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: dict | SamplingParams | None = None,
+        rid: str | None = None,
+        priority: int = 0,
+        extra_key=None,
+    ) -> str:
+        """Queue one request (text or token ids); returns its id. Bad input raises ValueError."""
+        params = SamplingParams.from_dict(sampling_params)
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+                raise InvalidArgumentError("token ids must be integers")
+            if any(not 0 <= t < self.model.config.vocab_size for t in ids):
+                raise InvalidArgumentError(
+                    f"token ids must lie in [0, {self.model.config.vocab_size})"
+                )
+        if not ids:
+            raise InvalidArgumentError("the prompt is empty")
+        if len(ids) + params.max_new_tokens > self.max_context:
+            raise InvalidArgumentError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the context length {self.max_context}"
+            )
+        rid = rid if rid is not None else f"req-{next(self._ids)}"
+        if rid in self._live:
+            raise InvalidArgumentError(f"request id {rid!r} is already running")
+        req = Req(
+            rid,
+            np.asarray(ids, dtype=np.int32),
+            params,
+            priority=priority,
+            extra_key=extra_key,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+        )
+        state = SamplingState.create(
+            params, req.input_ids, self.device, int(self._seeds.integers(2**62))
+        )
+        self._live[rid] = _Live(req, state, IncrementalDetokenizer(self.tokenizer, params.stop))
+        self.scheduler.add_request(req)
+        return rid
+
+    def abort(self, rid: str) -> bool:
+        """Abort a request; its slots are freed. False if it is not running."""
+        return self.scheduler.abort(rid, "aborted by the client")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[StreamChunk]:
+        """One scheduler step and model forward; what each affected request produced."""
+        chunks: dict[str, StreamChunk] = {}
+        batch = self.scheduler.step()
+        if batch is not None:
+            tokens = self._forward(batch)
+            self.scheduler.process_batch_result(batch, tokens)
+            for entry in batch.entries:
+                if entry.sample:
+                    self._emit(entry.req, chunks)
+        for req in self.scheduler.pop_finished():
+            self._finish(req, chunks)
+        return list(chunks.values())
+
+    def _emit(self, req: Req, chunks: dict[str, StreamChunk]) -> None:
+        live = self._live.get(req.rid)
+        if live is None:
+            return
+        new_ids = req.output_ids[live.seen :]
+        live.seen = len(req.output_ids)
+        for token in new_ids:
+            live.sampling.observe(token)
+        text = live.detok.push(new_ids)
+        chunk = chunks.setdefault(req.rid, StreamChunk(req.rid, "", []))
+        chunk.text += text
+        chunk.token_ids.extend(new_ids)
+        if live.detok.stopped is not None and not req.finished:
+            self.scheduler.finish(req.rid, FinishReason("stop", matched=live.detok.stopped))
+
+    def _finish(self, req: Req, chunks: dict[str, StreamChunk]) -> None:
+        live = self._live.pop(req.rid, None)
+        if live is None:
+            return
+        chunk = chunks.setdefault(req.rid, StreamChunk(req.rid, "", []))
+        chunk.text += live.detok.flush()
+        reason = req.finish_reason
+        chunk.finished = True
+        chunk.result = GenerateResult(
+            rid=req.rid,
+            text=live.detok.text,
+            token_ids=list(req.output_ids),
+            finish_reason=reason.kind,
+            usage=Usage(len(req.input_ids), len(req.output_ids), req.cached_tokens or 0),
+            error=reason.message if reason.kind == "abort" else None,
+            logprobs=live.logprobs if req.sampling.logprobs is not None else None,
+            meta={
+                "matched_stop": reason.matched,
+                "retractions": req.num_retractions,
+                "queue_time": (req.first_scheduled_time or req.queued_time) - req.queued_time,
+                "ttft": None
+                if req.first_token_time is None
+                else req.first_token_time - req.queued_time,
+                "e2e": (req.finish_time or req.queued_time) - req.queued_time,
+            },
+        )
+
+    def _forward(self, batch: Batch) -> list[int]:
+        """Run the model on `batch` and sample; one token per entry (0 where none is sampled)."""
+        entries = batch.entries
+        dev = self.device
+        ids = np.concatenate([e.token_ids for e in entries]).astype(np.int64)
+        new_slots = np.concatenate([e.new_slots for e in entries])
+        lens = [len(e.token_ids) for e in entries]
+        prefix = [len(e.prefix_slots) for e in entries]
+        positions = np.concatenate(
+            [np.arange(p, p + n, dtype=np.int64) for p, n in zip(prefix, lens, strict=True)]
+        )
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64).tolist()
+        sampled = [i for i, e in enumerate(entries) if e.sample]
+        sample_rows = [starts[i] + lens[i] - 1 for i in sampled]
+        meta = AttentionMetadata(
+            is_decode=batch.mode is ForwardMode.DECODE,
+            new_slots=torch.from_numpy(new_slots).to(dev),
+            sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            starts=starts,
+            new_lens=lens,
+            prefix_lens=prefix,
+            context_slots=[],
+        )
+        if meta.is_decode:
+            width = max(prefix) + 1
+            table = np.zeros((len(entries), width), dtype=np.int64)
+            for row, e in enumerate(entries):
+                table[row, : prefix[row]] = e.prefix_slots
+                table[row, prefix[row]] = e.new_slots[0]
+            mask = np.arange(width)[None, :] <= np.asarray(prefix)[:, None]
+            meta.decode_slots = torch.from_numpy(table).to(dev)
+            meta.decode_mask = torch.from_numpy(mask).to(dev)
+        else:
+            meta.context_slots = [
+                torch.from_numpy(np.concatenate([e.prefix_slots, e.new_slots])).to(dev)
+                for e in entries
+            ]
+        logits = self.model(
+            torch.from_numpy(ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+            self.kv,
+            meta,
+            self.attention,
+        )
+        out = [0] * len(entries)
+        if not sampled:
+            return out
+        states = [self._live[entries[i].req.rid].sampling for i in sampled]
+        for i, result in zip(sampled, sample(logits, states), strict=True):
+            out[i] = result.token
+            if result.logprob is not None:
+                self._live[entries[i].req.rid].logprobs.append(result)
+        return out
+
+    # -- convenience ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: dict | SamplingParams | Sequence | None = None,
+    ) -> list[GenerateResult]:
+        """Run prompts (text or token ids) to completion; one result per prompt, in order."""
+        batch = _as_prompt_list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(batch):
+                raise InvalidArgumentError("give one sampling_params per prompt, or one for all")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params] * len(batch)
+        rids = [self.add_request(p, sp) for p, sp in zip(batch, params, strict=True)]
+        wanted = set(rids)
+        results: dict[str, GenerateResult] = {}
+        while wanted - results.keys():
+            for chunk in self.step():
+                if chunk.finished and chunk.rid in wanted:
+                    results[chunk.rid] = chunk.result
+        return [results[r] for r in rids]
+
+    def stream(
+        self, prompt: str | Sequence[int], sampling_params: dict | SamplingParams | None = None
+    ) -> Iterator[str]:
+        """Yield the text of one request piece by piece, as it is generated."""
+        rid = self.add_request(prompt, sampling_params)
+        try:
+            while True:
+                for chunk in self.step():
+                    if chunk.rid != rid:
+                        continue
+                    if chunk.text:
+                        yield chunk.text
+                    if chunk.finished:
+                        return
+        finally:
+            if rid in self._live:
+                self.abort(rid)
+                self.step()
+
+    def chat(
+        self, messages: Sequence[dict], sampling_params: dict | SamplingParams | None = None
+    ) -> GenerateResult:
+        """Generate the assistant's answer to `messages` with the model's chat template."""
+        prompt = self.tokenizer.apply_chat_template(messages)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.generate([ids], sampling_params)[0]
+
+    def check_invariants(self) -> None:
+        """The scheduler's and the cache's invariants (slot accounting included)."""
+        self.scheduler.check_invariants()
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InvalidArgumentError("prompts must be a string, token ids, or a non-empty list")
+    if all(isinstance(t, (int, np.integer)) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)

@@ -1,0 +1,1 @@
+"""Model definitions, weight loaders, attention backends, sampling and KV tensors (torch)."""

@@ -1,0 +1,122 @@
+"""Attention over the paged KV pool, behind a small backend interface.
+
+A backend gets the new tokens' queries [T, heads, head_dim] (T = all new tokens of the batch,
+request after request), the layer's K/V pool tensors, and `AttentionMetadata` saying which
+slots each request attends over. New K/V are already written when it runs. Backends here are
+plain torch and run on CPU and CUDA; a FlashInfer or FlashAttention backend implements the
+same `forward`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch.nn import functional as F
+
+from radixserve.errors import InvalidArgumentError
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's tokens and context live.
+
+    Extend: request i owns queries [starts[i], starts[i] + new_lens[i]) and attends over slots
+    `context_slots[i]` (its prefix, then its new tokens), causally. Decode: every request has
+    one query; `decode_slots` is [B, max_context] padded with slot 0 and `decode_mask` marks
+    the real entries.
+    """
+
+    is_decode: bool
+    new_slots: torch.Tensor
+    sample_indices: torch.Tensor
+    starts: list[int]
+    new_lens: list[int]
+    prefix_lens: list[int]
+    context_slots: list[torch.Tensor]
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attention output [T, heads, head_dim] for queries q [T, heads, head_dim]."""
+        ...
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
+class TorchAttention:
+    """torch attention: SDPA for prefill; SDPA or an explicit matmul-softmax for decode.
+
+    `decode="matmul"` computes scores with two batched matmuls and a softmax, which measures
+    faster than SDPA for one-token queries in bfloat16 on CPU; `"sdpa"` uses SDPA for both.
+    """
+
+    def __init__(self, decode: str = "auto") -> None:
+        if decode not in ("auto", "sdpa", "matmul"):
+            raise InvalidArgumentError(f"decode attention must be auto, sdpa or matmul: {decode!r}")
+        self.decode = decode
+        self.name = f"torch-{decode}"
+
+    def forward(self, q, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.is_decode:
+            return self._decode(q, k_pool, v_pool, meta)
+        return self._extend(q, k_pool, v_pool, meta)
+
+    def _extend(self, q, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
+        heads, kv_heads = q.shape[1], k_pool.shape[1]
+        groups = heads // kv_heads
+        outs = []
+        for start, n, prefix, slots in zip(
+            meta.starts, meta.new_lens, meta.prefix_lens, meta.context_slots, strict=True
+        ):
+            qi = q[start : start + n].transpose(0, 1)  # [H, n, D]
+            ki = _repeat_kv(k_pool[slots].transpose(0, 1), groups)  # [H, L, D]
+            vi = _repeat_kv(v_pool[slots].transpose(0, 1), groups)
+            if prefix == 0:
+                out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True)
+            else:
+                rows = torch.arange(n, device=q.device)[:, None] + prefix
+                mask = torch.arange(prefix + n, device=q.device)[None, :] <= rows
+                out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask)
+            outs.append(out.transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def _decode(self, q, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
+        heads, kv_heads, dim = q.shape[1], k_pool.shape[1], q.shape[2]
+        groups = heads // kv_heads
+        k = k_pool[meta.decode_slots].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+        v = v_pool[meta.decode_slots].permute(0, 2, 1, 3)
+        mask = meta.decode_mask[:, None, None, :]  # [B, 1, 1, L]
+        impl = self.decode
+        if impl == "auto":
+            impl = "matmul" if q.dtype in (torch.bfloat16, torch.float16) else "sdpa"
+        if impl == "sdpa":
+            qb = q[:, :, None, :]  # [B, H, 1, D]
+            out = F.scaled_dot_product_attention(
+                qb, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask
+            )
+            return out[:, :, 0, :]
+        # Grouped matmul: [B, Hkv, groups, D] @ [B, Hkv, D, L] -> [B, Hkv, groups, L]
+        qg = q.view(q.shape[0], kv_heads, groups, dim)
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * (dim**-0.5)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.matmul(probs, v).reshape(q.shape[0], heads, dim)
+
+
+BACKENDS = {"torch": TorchAttention}
+
+
+def make_attention_backend(name: str = "torch", decode: str = "auto") -> AttentionBackend:
+    if name not in BACKENDS:
+        raise InvalidArgumentError(f"attention backend must be one of {sorted(BACKENDS)}: {name!r}")
+    return BACKENDS[name](decode=decode)

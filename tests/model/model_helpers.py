@@ -1,0 +1,92 @@
+"""Tiny random-weight Llama-family checkpoints, built by the tests themselves.
+
+A checkpoint is a Hugging Face directory: config.json, model.safetensors (written by
+transformers' save_pretrained) and a word-level tokenizer.json over tokens "t0".."tN".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 96
+
+
+def word_tokenizer(path: Path, vocab: int = VOCAB) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}t1{% endif %}",
+            }
+        )
+    )
+
+
+def tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write a tiny random model of `arch` (llama, qwen2, qwen3) into `path`."""
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(head_dim=16, **common)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(config)
+    with torch.no_grad():  # random init gives near-uniform logits; sharpen them for stable argmax
+        for p in model.parameters():
+            p.mul_(4.0 if p.ndim > 1 else 1.0)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    word_tokenizer(path)
+    return path
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` on the checkpoint, in float64."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    model.eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
