@@ -7,9 +7,21 @@ transformers' save_pretrained) and a word-level tokenizer.json over tokens "t0".
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
+
+from radixserve.engine import Engine
+
+DEVICE = os.environ.get("RADIXSERVE_TEST_DEVICE", "cpu")
+"""bench/gpu_check.sh runs these tests with the engine on CUDA by setting this variable."""
+
+
+def make_engine(model=None, **options) -> Engine:
+    """An engine on the test device (CPU unless RADIXSERVE_TEST_DEVICE says otherwise)."""
+    return Engine(None if model is None else str(model), device=DEVICE, **options)
+
 
 VOCAB = 96
 

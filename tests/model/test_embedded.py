@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from model_helpers import make_engine
 
-from radixserve.engine import Engine
 from radixserve.model import loader
 
 
 @pytest.fixture(scope="module")
 def smol():
-    return Engine(threads=2, kv_cache_tokens=4096)
+    return make_engine(threads=2, kv_cache_tokens=4096)
 
 
 def test_the_gguf_loads_with_its_tokenizer_and_template(smol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from model_helpers import hf_greedy
+from model_helpers import hf_greedy, make_engine
 
 from radixserve.engine import Engine
 
@@ -26,7 +26,7 @@ def leak_free(engine: Engine) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama-tied-rope3"])
 def test_single_requests_match_transformers(checkpoints, arch):
-    engine = Engine(str(checkpoints[arch]), dtype="float64")
+    engine = make_engine(checkpoints[arch], dtype="float64")
     for prompt in PROMPTS[:3]:
         (result,) = engine.generate([prompt], {"max_new_tokens": 12})
         assert result.token_ids == hf_greedy(checkpoints[arch], prompt, 12), prompt
@@ -37,7 +37,7 @@ def test_single_requests_match_transformers(checkpoints, arch):
 def test_batches_of_different_lengths_match_transformers(checkpoints):
     path = checkpoints["qwen2"]
     expected = [hf_greedy(path, p, 10) for p in PROMPTS]
-    engine = Engine(str(path), dtype="float64")
+    engine = make_engine(path, dtype="float64")
     results = engine.generate(PROMPTS, {"max_new_tokens": 10})
     assert [r.token_ids for r in results] == expected
     leak_free(engine)
@@ -58,7 +58,7 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def reference(llama_dir):
-    engine = Engine(str(llama_dir), dtype="float64")
+    engine = make_engine(llama_dir, dtype="float64")
     outputs = [r.token_ids for r in engine.generate(PROMPTS, {"max_new_tokens": 24})]
     # The same prompts again hit the cache; outputs must not change.
     again = [r.token_ids for r in engine.generate(PROMPTS, {"max_new_tokens": 24})]
@@ -68,7 +68,7 @@ def reference(llama_dir):
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_outputs_are_identical_across_engine_settings(llama_dir, reference, name):
-    engine = Engine(str(llama_dir), dtype="float64", **SETTINGS[name])
+    engine = make_engine(llama_dir, dtype="float64", **SETTINGS[name])
     for _ in range(2):  # the second round runs against a warm cache
         results = engine.generate(PROMPTS, {"max_new_tokens": 24})
         assert [r.token_ids for r in results] == reference
@@ -79,7 +79,7 @@ def test_outputs_are_identical_across_engine_settings(llama_dir, reference, name
 
 
 def test_reuse_is_real(llama_dir):
-    engine = Engine(str(llama_dir), dtype="float64")
+    engine = make_engine(llama_dir, dtype="float64")
     computed = []
     forward = engine._forward
 
@@ -101,6 +101,6 @@ def test_reuse_is_real(llama_dir):
 
 
 def test_float32_engine_agrees_with_float64_on_a_short_run(llama_dir, reference):
-    engine = Engine(str(llama_dir))
+    engine = make_engine(llama_dir)
     results = engine.generate(PROMPTS[:2], {"max_new_tokens": 6})
     assert [r.token_ids for r in results] == [ref[:6] for ref in reference[:2]]

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from model_helpers import make_engine
 
 from radixserve.engine import Engine
 from radixserve.errors import InvalidArgumentError
@@ -51,7 +52,7 @@ def test_missing_and_unsupported_models_are_clear_errors(tmp_path):
 
 
 def test_engine_rejects_bad_requests_by_name(llama_dir):
-    engine = Engine(str(llama_dir), max_context=64)
+    engine = make_engine(llama_dir, max_context=64)
     with pytest.raises(ValueError, match="context length 64"):
         engine.add_request(list(range(1, 60)), {"max_new_tokens": 10})
     with pytest.raises(ValueError, match="token ids must lie"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import make_engine
 
-from radixserve.engine import Engine
 from radixserve.model.sampling import SamplingState, filter_probs, sample
 from radixserve.sched import SamplingParams
 
@@ -67,7 +67,7 @@ def test_logprobs_report_the_chosen_token_and_the_top_n():
 
 @pytest.fixture(scope="module")
 def engine(llama_dir):
-    return Engine(str(llama_dir), dtype="float64")
+    return make_engine(llama_dir, dtype="float64")
 
 
 def test_same_seed_same_output_in_the_engine(engine):

@@ -1,9 +1,13 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3) over a paged KV pool.
 
-Plain PyTorch that runs the same on CPU and CUDA. Parameter names follow Hugging Face's, so a
-safetensors checkpoint loads as is. One forward serves a whole batch: the new tokens of every
-request are concatenated into one sequence, attention reads each request's context from the
-KV pool by slot, and logits are computed only where a token is sampled.
+Plain PyTorch that runs the same on CPU and CUDA. One forward serves a whole batch: the new
+tokens of every request are concatenated into one sequence, attention reads each request's
+context from the KV pool by slot, and logits are computed only where a token is sampled.
+
+Projections are stored input-major (`weight_t` is [in, out]) with q/k/v and gate/up fused into
+one matrix each: on CPU a one-token decode then streams each weight once, in order, which
+measured 1.2x faster than `nn.Linear`'s [out, in] layout (bench/engine.py, part d).
+`from_hf_state_dict` and `hf_state_dict` convert from and to Hugging Face's names and layout.
 """
 
 from __future__ import annotations
@@ -131,9 +135,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float() if dtype in (torch.float16, torch.bfloat16) else x
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if dtype in (torch.float16, torch.bfloat16):  # normalise in float32, as HF does
+            x = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * x.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -141,6 +146,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+class InputMajorLinear(nn.Module):
+    """y = x @ weight_t + bias, with `weight_t` stored [in_features, out_features]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x, self.weight_t)
 
 
 class Attention(nn.Module):
@@ -153,10 +172,10 @@ class Attention(nn.Module):
             config.head_dim,
         )
         h, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+        self.q_size = self.heads * self.head_dim
+        self.kv_size = self.kv_heads * self.head_dim
+        self.qkv_proj = InputMajorLinear(h, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = InputMajorLinear(self.q_size, h)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -173,12 +192,12 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(tokens, self.heads + 2 * self.kv_heads, self.head_dim)
+        qk, v = qkv[:, : self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads :]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, : self.heads]), self.k_norm(qk[:, self.heads :])], 1)
+        qk = apply_rope(qk, cos, sin)  # q and k heads in one go
+        q, k = qk[:, : self.heads], qk[:, self.heads :]
         kv.write(self.layer, meta.new_slots, k, v)
         out = backend.forward(q, kv.k[self.layer], kv.v[self.layer], meta)
         return self.o_proj(out.reshape(tokens, self.heads * self.head_dim))
@@ -188,12 +207,13 @@ class MLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.intermediate = i
+        self.gate_up_proj = InputMajorLinear(h, 2 * i)
+        self.down_proj = InputMajorLinear(i, h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -226,9 +246,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaBody(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        # A tied LM head is a transposed copy of the embedding, for the same reason as above.
+        self.lm_head = InputMajorLinear(config.hidden_size, config.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -251,3 +270,72 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv, meta, backend)
         x = self.model.norm(x[meta.sample_indices])
         return self.lm_head(x)
+
+
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def from_hf_state_dict(config: LlamaConfig, tensors: dict[str, torch.Tensor]) -> dict:
+    """Hugging Face names and [out, in] weights -> this module's fused, input-major ones.
+
+    Raises `InvalidArgumentError` naming a missing tensor.
+    """
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise InvalidArgumentError(f"the checkpoint lacks tensor {name}")
+        return tensors[name]
+
+    out = {
+        "model.embed_tokens.weight": take("model.embed_tokens.weight"),
+        "model.norm.weight": take("model.norm.weight"),
+    }
+    head = tensors.get("lm_head.weight")
+    if head is None or config.tie_word_embeddings:
+        head = out["model.embed_tokens.weight"]
+    out["lm_head.weight_t"] = head.t().contiguous()
+    for i in range(config.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{pre}{norm}.weight"] = take(f"{pre}{norm}.weight")
+        for block, fused in (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj")):
+            parts = [take(f"{pre}{block}.{p}.weight") for p in _FUSED[fused]]
+            out[f"{pre}{block}.{fused}.weight_t"] = torch.cat(parts, dim=0).t().contiguous()
+        if config.attention_bias:
+            biases = [take(f"{pre}self_attn.{p}.bias") for p in _FUSED["qkv_proj"]]
+            out[f"{pre}self_attn.qkv_proj.bias"] = torch.cat(biases)
+        for block, name in (("self_attn", "o_proj"), ("mlp", "down_proj")):
+            out[f"{pre}{block}.{name}.weight_t"] = (
+                take(f"{pre}{block}.{name}.weight").t().contiguous()
+            )
+        if config.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                out[f"{pre}self_attn.{norm}.weight"] = take(f"{pre}self_attn.{norm}.weight")
+    return out
+
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """This model's weights under Hugging Face's names and layout (e.g. to build an HF model)."""
+    config, state = model.config, model.state_dict()
+    out = {k: v for k, v in state.items() if not k.endswith(("weight_t", "qkv_proj.bias"))}
+    out["lm_head.weight"] = state["lm_head.weight_t"].t().contiguous()
+    d = config.head_dim
+    sizes = {
+        "qkv_proj": [config.num_attention_heads * d, *[config.num_key_value_heads * d] * 2],
+        "gate_up_proj": [config.intermediate_size] * 2,
+    }
+    for i in range(config.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        for block, fused in (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj")):
+            weight = state[f"{pre}{block}.{fused}.weight_t"].t()
+            for name, part in zip(_FUSED[fused], weight.split(sizes[fused]), strict=True):
+                out[f"{pre}{block}.{name}.weight"] = part.contiguous()
+        if config.attention_bias:
+            bias = state[f"{pre}self_attn.qkv_proj.bias"]
+            for name, part in zip(_FUSED["qkv_proj"], bias.split(sizes["qkv_proj"]), strict=True):
+                out[f"{pre}self_attn.{name}.bias"] = part
+        for block, name in (("self_attn", "o_proj"), ("mlp", "down_proj")):
+            out[f"{pre}{block}.{name}.weight"] = (
+                state[f"{pre}{block}.{name}.weight_t"].t().contiguous()
+            )
+    return out

@@ -20,7 +20,12 @@ import numpy as np
 import torch
 
 from radixserve.errors import InvalidArgumentError
-from radixserve.model.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+from radixserve.model.llama import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    from_hf_state_dict,
+    rope_inv_freq,
+)
 from radixserve.model.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -78,23 +83,15 @@ def load_model(
 def _build(
     config: LlamaConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device
 ) -> LlamaForCausalLM:
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
+    state = from_hf_state_dict(config, tensors)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = set(model.state_dict())
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    missing = expected - tensors.keys()
-    if missing:
-        raise InvalidArgumentError(f"the checkpoint lacks tensors: {sorted(missing)[:5]}")
-    unexpected = tensors.keys() - expected
-    if unexpected:
-        log.warning("ignoring %d unknown tensors, e.g. %s", len(unexpected), sorted(unexpected)[:3])
-    state = {k: tensors[k].to(device=device, dtype=dtype) for k in expected}
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if expected != state.keys():  # pragma: no cover - a bug in the name mapping
+        raise InvalidArgumentError(f"weight names differ: {sorted(expected ^ state.keys())[:5]}")
+    model.load_state_dict(
+        {k: v.to(device=device, dtype=dtype) for k, v in state.items()}, assign=True
+    )
     model.inv_freq = rope_inv_freq(config).to(device)
     return model.eval()
 

@@ -1,0 +1,271 @@
+"""How fast is the engine on the embedded model, and how close to the machine's limits?
+
+    python bench/engine.py                  # everything, CPU, 2 threads
+    python bench/engine.py --parts d,c      # only the roofline and decode parts
+    python bench/engine.py --device cuda --dtype bfloat16 --parts a
+
+(a) Shared prefix: 8 groups x 16 prompts, a 1,024-token system prompt per group, a 64-token
+    question each, 32 output tokens. Radix cache on and off, same run: throughput, mean TTFT,
+    the speed-up, and the ideal speed-up (prefill time scaled by unique/total prompt tokens,
+    decode time the same on both sides).
+(b) The same workload through transformers' batched `generate` (left-padded batches of one
+    group) on the same dequantized weights.
+(c) Decode throughput at batch 1, 8 and 32.
+(d) The roofline: the matmul rate and the weight-streaming bandwidth, measured here, against
+    prefill of 1,024-token chunks and batch-1 decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from radixserve.engine import Engine
+from radixserve.model.llama import hf_state_dict
+from radixserve.sched.scheduler import ForwardMode
+
+GROUPS, PER_GROUP, SYSTEM, QUESTION, OUTPUT = 8, 16, 1024, 64, 32
+
+
+def shared_prefix_prompts(vocab: int, groups: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(groups):
+        system = rng.integers(100, vocab, SYSTEM).tolist()
+        prompts += [system + rng.integers(100, vocab, QUESTION).tolist() for _ in range(PER_GROUP)]
+    return prompts
+
+
+def timed_run(engine: Engine, prompts, params) -> dict:
+    """Submit everything at once and step to completion, timing extend and decode steps."""
+    for p in prompts:
+        engine.add_request(p, params)
+    times = {ForwardMode.EXTEND: 0.0, ForwardMode.DECODE: 0.0}
+    results = []
+    start = time.perf_counter()
+    original = engine.scheduler.step
+
+    def step():
+        batch = original()
+        if batch is not None:
+            step.mode = batch.mode
+        return batch
+
+    engine.scheduler.step = step
+    try:
+        while engine.has_work():
+            step.mode = None
+            t0 = time.perf_counter()
+            chunks = engine.step()
+            if step.mode is not None:
+                times[step.mode] += time.perf_counter() - t0
+            results += [c.result for c in chunks if c.finished]
+    finally:
+        engine.scheduler.step = original
+    wall = time.perf_counter() - start
+    out_tokens = sum(len(r.token_ids) for r in results)
+    return {
+        "wall": wall,
+        "prefill": times[ForwardMode.EXTEND],
+        "decode": times[ForwardMode.DECODE],
+        "out_tokens": out_tokens,
+        "ttft": float(np.mean([r.meta["ttft"] for r in results])),
+        "cached": sum(r.usage.cached_tokens for r in results),
+        "prompt": sum(r.usage.prompt_tokens for r in results),
+        "results": results,
+    }
+
+
+def part_a(args, make_engine) -> None:
+    params = {"max_new_tokens": OUTPUT, "ignore_eos": True}
+    runs = {}
+    for on in (True, False):
+        engine = make_engine(enable_radix_cache=on, kv_cache_tokens=40_960)
+        prompts = shared_prefix_prompts(engine.model.config.vocab_size, args.groups)
+        runs[on] = timed_run(engine, prompts, params)
+        engine.check_invariants()
+        del engine
+    on, off = runs[True], runs[False]
+    unique = args.groups * SYSTEM + args.groups * PER_GROUP * QUESTION
+    total = on["prompt"]
+    ideal_on = off["prefill"] * unique / total + off["decode"]
+    ideal = off["wall"] / ideal_on
+    speedup = off["wall"] / on["wall"]
+    print(
+        f"(a) shared prefix, {args.groups}x{PER_GROUP} prompts of {SYSTEM}+{QUESTION} tokens, "
+        f"{OUTPUT} out"
+    )
+    for name, r in (("radix on", on), ("radix off", off)):
+        rate = (r["prompt"] + r["out_tokens"]) / r["wall"]
+        print(
+            f"    {name:<10} {r['wall']:8.1f} s  {r['out_tokens'] / r['wall']:7.1f} out tok/s  "
+            f"{rate:8.1f} tok/s  mean TTFT {r['ttft']:6.2f} s  (prefill {r['prefill']:.1f} s, "
+            f"decode {r['decode']:.1f} s, cached {r['cached']})"
+        )
+    print(
+        f"    speed-up {speedup:.2f}x; ideal {ideal:.2f}x (prompt tokens {total} / unique "
+        f"{unique}); ratio {speedup / ideal:.2f} (target >= 0.8)"
+    )
+    same = all(
+        a.token_ids == b.token_ids for a, b in zip(on["results"], off["results"], strict=True)
+    )
+    print(f"    greedy outputs identical on and off: {same}")
+    return on
+
+
+def part_b(args, make_engine, on_run) -> None:
+    import transformers
+
+    engine = make_engine(kv_cache_tokens=1024)
+    cfg = engine.model.config
+    hf_config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+    )
+    model = transformers.LlamaForCausalLM(hf_config).to(engine.dtype).eval()
+    model.load_state_dict(hf_state_dict(engine.model), strict=False)
+    prompts = shared_prefix_prompts(cfg.vocab_size, args.hf_groups)
+    start = time.perf_counter()
+    out_tokens = 0
+    with torch.inference_mode():
+        for g in range(args.hf_groups):
+            batch = torch.tensor(prompts[g * PER_GROUP : (g + 1) * PER_GROUP])
+            out = model.generate(
+                batch,
+                attention_mask=torch.ones_like(batch),
+                max_new_tokens=OUTPUT,
+                min_new_tokens=OUTPUT,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out_tokens += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+    wall = time.perf_counter() - start
+    hf_rate = out_tokens / wall
+    print(
+        f"(b) transformers generate, {args.hf_groups} batches of {PER_GROUP}: {wall:.1f} s, "
+        f"{hf_rate:.1f} out tok/s"
+    )
+    if on_run is not None:
+        ours = on_run["out_tokens"] / on_run["wall"]
+        print(
+            f"    radixserve (radix on) / transformers throughput: {ours / hf_rate:.2f}x "
+            f"(target >= 3)"
+        )
+
+
+def part_c(args, make_engine) -> dict:
+    engine = make_engine(kv_cache_tokens=8192)
+    rates = {}
+    rng = np.random.default_rng(1)
+    for batch in (1, 8, 32):
+        prompts = [rng.integers(100, 40_000, 16).tolist() for _ in range(batch)]
+        run = timed_run(engine, prompts, {"max_new_tokens": 64, "ignore_eos": True})
+        decoded = run["out_tokens"] - batch  # the first token of each comes from prefill
+        rates[batch] = decoded / run["decode"]
+        print(
+            f"(c) decode, batch {batch:>2}: {rates[batch]:8.1f} tok/s "
+            f"({rates[batch] / batch:.1f} per request)"
+        )
+    return rates
+
+
+def part_d(args, make_engine, decode_rates) -> None:
+    threads = torch.get_num_threads()
+    dtype = getattr(torch, args.dtype or "float32")
+    dev = torch.device(args.device)
+    a = torch.randn(2048, 2048, dtype=dtype, device=dev)
+    b = torch.randn(2048, 2048, dtype=dtype, device=dev)
+    for _ in range(2):
+        a @ b
+    reps = 10
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    flops = 2 * 2048**3 * reps / (time.perf_counter() - t0)
+    w = torch.randn(8192, 16384, dtype=dtype, device=dev)  # 512 MiB in float32
+    x = torch.randn(16384, dtype=dtype, device=dev)
+    w @ x
+    t0 = time.perf_counter()
+    for _ in range(5):
+        w @ x
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    bandwidth = 5 * w.numel() * w.element_size() / (time.perf_counter() - t0)
+    del a, b, w
+    engine = make_engine(kv_cache_tokens=4096, chunked_prefill_size=1024)
+    cfg = engine.model.config
+    size = engine.model.model.embed_tokens.weight.element_size()
+    layer_params = sum(p.numel() for p in engine.model.model.layers.parameters())
+    head_params = engine.model.lm_head.weight_t.numel()
+    # Decode streams every weight but the embedding (a one-row lookup) once per step.
+    weight_bytes = (layer_params + head_params + engine.model.model.norm.weight.numel()) * size
+    # Prefill FLOPs per token of a 1,024-token chunk: the projections, plus QK^T and PV over
+    # an average causal context of 512, plus the LM head once per chunk.
+    chunk = 1024
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * chunk / 2
+    flops_per_token = 2 * layer_params + attention + 2 * head_params / chunk
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(100, 40_000, 1024).tolist()
+    engine.generate([prompt], {"max_new_tokens": 1})  # warm-up
+    engine.cache.reset()
+    run = timed_run(engine, [rng.integers(100, 40_000, 1024).tolist()], {"max_new_tokens": 1})
+    prefill_rate = 1024 / run["prefill"]
+    prefill_bound = flops / flops_per_token
+    decode_bound = bandwidth / weight_bytes
+    print(
+        f"(d) roofline, {threads} threads, {args.dtype or 'float32'}: matmul "
+        f"{flops / 1e9:.1f} GFLOP/s, weight streaming {bandwidth / 1e9:.1f} GB/s"
+    )
+    print(
+        f"    prefill, one 1,024-token chunk: {prefill_rate:.0f} tok/s = "
+        f"{prefill_rate / prefill_bound:.0%} of the matmul bound {prefill_bound:.0f} tok/s "
+        f"(target >= 60%)"
+    )
+    if decode_rates is None:
+        decode_rates = part_c(args, make_engine)
+    print(
+        f"    decode, batch 1: {decode_rates[1]:.1f} tok/s = "
+        f"{decode_rates[1] / decode_bound:.0%} of the streaming bound {decode_bound:.1f} tok/s "
+        f"({weight_bytes / 2**20:.0f} MiB of weights; target >= 50%)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--parts", default="a,b,c,d")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--groups", type=int, default=GROUPS)
+    parser.add_argument("--hf-groups", type=int, default=GROUPS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    parts = set(args.parts.split(","))
+
+    def make_engine(**options):
+        return Engine(device=args.device, dtype=args.dtype, threads=args.threads, **options)
+
+    on_run = part_a(args, make_engine) if "a" in parts else None
+    if "b" in parts:
+        part_b(args, make_engine, on_run)
+    rates = part_c(args, make_engine) if "c" in parts else None
+    if "d" in parts:
+        part_d(args, make_engine, rates)
+
+
+if __name__ == "__main__":
+    main()
