@@ -56,10 +56,11 @@ class TorchAttention:
     faster than SDPA for one-token queries in bfloat16 on CPU; `"sdpa"` uses SDPA for both.
     """
 
-    def __init__(self, decode: str = "auto") -> None:
+    def __init__(self, decode: str = "auto", decode_rows: int = 16) -> None:
         if decode not in ("auto", "sdpa", "matmul"):
             raise InvalidArgumentError(f"decode attention must be auto, sdpa or matmul: {decode!r}")
         self.decode = decode
+        self.decode_rows = decode_rows
         self.name = f"torch-{decode}"
 
     def forward(self, q, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
@@ -87,11 +88,32 @@ class TorchAttention:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
     def _decode(self, q, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
+        rows = q.shape[0]
+        if rows <= self.decode_rows:
+            return self._decode_rows(q, k_pool, v_pool, meta.decode_slots, meta.decode_mask)
+        # Gathering every request's context at once falls off a cliff on CPU past about 32
+        # requests of 1k tokens (3.5x slower per request at 64); slices of 16 stay fast.
+        return torch.cat(
+            [
+                self._decode_rows(
+                    q[i : i + self.decode_rows],
+                    k_pool,
+                    v_pool,
+                    meta.decode_slots[i : i + self.decode_rows],
+                    meta.decode_mask[i : i + self.decode_rows],
+                )
+                for i in range(0, rows, self.decode_rows)
+            ]
+        )
+
+    def _decode_rows(self, q, k_pool, v_pool, slots, valid) -> torch.Tensor:
         heads, kv_heads, dim = q.shape[1], k_pool.shape[1], q.shape[2]
         groups = heads // kv_heads
-        k = k_pool[meta.decode_slots].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-        v = v_pool[meta.decode_slots].permute(0, 2, 1, 3)
-        mask = meta.decode_mask[:, None, None, :]  # [B, 1, 1, L]
+        width = int(valid.sum(dim=1).max())
+        slots, valid = slots[:, :width], valid[:, :width]
+        k = k_pool[slots].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+        v = v_pool[slots].permute(0, 2, 1, 3)
+        mask = valid[:, None, None, :]  # [B, 1, 1, L]
         impl = self.decode
         if impl == "auto":
             impl = "matmul" if q.dtype in (torch.bfloat16, torch.float16) else "sdpa"
@@ -100,7 +122,7 @@ class TorchAttention:
             out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True)
             return out[:, :, 0, :]
         # Grouped matmul: [B, Hkv, groups, D] @ [B, Hkv, D, L] -> [B, Hkv, groups, L]
-        qg = q.view(q.shape[0], kv_heads, groups, dim)
+        qg = q.reshape(q.shape[0], kv_heads, groups, dim)
         scores = torch.matmul(qg, k.transpose(-1, -2)) * (dim**-0.5)
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
