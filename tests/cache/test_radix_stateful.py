@@ -163,7 +163,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=25,
+    max_examples=60,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -565,9 +565,11 @@ class RadixCache:
                 fail(f"root of namespace {extra_key!r} is malformed")
             if extra_key is not None and not root.children:
                 fail(f"namespace {extra_key!r} has an empty root that was not dropped")
+        depth: dict[TreeNode, int] = {root: 0 for root in self._roots.values()}
         for node in self._nodes():
             parent = node.parent
-            where = f"node at depth {self._depth(node)} ({len(node.value)} tokens)"
+            depth[node] = depth[parent] + 1
+            where = f"node at depth {depth[node]} ({len(node.value)} tokens)"
             if len(node.key) != len(node.value) * TOKEN_BYTES:
                 fail(f"{where}: key has {len(node.key) // TOKEN_BYTES} tokens, value {len(node)}")
             if not node.value.size or node.value.size % self.page_size:
@@ -618,14 +620,6 @@ class RadixCache:
             free = self.allocator.is_free(slots)
             if free.any():
                 fail(f"slot {int(slots[np.argmax(free)])} is owned by a node and free")
-
-    @staticmethod
-    def _depth(node: TreeNode) -> int:
-        depth = 0
-        while node.parent is not None:
-            depth += 1
-            node = node.parent
-        return depth
 
     def __repr__(self) -> str:
         return (
