@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -113,6 +114,68 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    import uvicorn
+
+    class _GracefulServer(uvicorn.Server):
+        """Ctrl-C and SIGTERM stop accepting, let the app abort what runs, and exit 0
+        (uvicorn would re-raise the signal after shutting down)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+        def request_exit(self, sig: int) -> None:
+            log.info("signal %d: shutting down", sig)
+            self.should_exit = True
+
+    from radixserve.engine import Engine
+    from radixserve.server.app import create_app
+
+    engine = Engine(
+        args.model,
+        enable_radix_cache=not args.disable_radix_cache,
+        page_size=args.page_size,
+        eviction_policy=args.eviction_policy,
+        schedule_policy=args.schedule_policy,
+        kv_cache_tokens=args.kv_cache_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_running_requests=args.max_running_requests,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+    )
+    app = create_app(
+        engine,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+    )
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    server = _GracefulServer(config)
+
+    async def serve_and_announce() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.request_exit, sig)
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(
+                f"radixserve ready on http://{args.host}:{args.port} (model {engine.model_name})",
+                flush=True,
+            )
+        await serving
+
+    asyncio.run(serve_and_announce())
+    log.info("radixserve stopped")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
@@ -139,6 +202,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("--out", help="directory for replay.csv, replay.json and hit_rate.png")
     rp.set_defaults(func=cmd_replay)
+
+    sv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    sv.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or HF directory (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=30000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--max-running-requests", type=int, default=64)
+    sv.add_argument("--max-queued-requests", type=int, default=1024)
+    sv.add_argument("--disable-radix-cache", action="store_true")
+    sv.add_argument("--page-size", type=int, default=1)
+    sv.add_argument("--eviction-policy", default="lru")
+    sv.add_argument("--schedule-policy", default="fcfs")
+    sv.add_argument("--kv-cache-tokens", type=int, default=None)
+    sv.add_argument("--chunked-prefill-size", type=int, default=2048)
+    sv.add_argument("--dtype", default=None)
+    sv.add_argument("--device", default="cpu")
+    sv.add_argument("--threads", type=int, default=None)
+    sv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -165,17 +165,18 @@ class Engine:
         else:
             ids = list(prompt)
             if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-                raise InvalidArgumentError("token ids must be integers")
+                raise InvalidArgumentError("token ids must be integers", field="prompt")
             if any(not 0 <= t < self.model.config.vocab_size for t in ids):
                 raise InvalidArgumentError(
-                    f"token ids must lie in [0, {self.model.config.vocab_size})"
+                    f"token ids must lie in [0, {self.model.config.vocab_size})", field="prompt"
                 )
         if not ids:
-            raise InvalidArgumentError("the prompt is empty")
+            raise InvalidArgumentError("the prompt is empty", field="prompt")
         if len(ids) + params.max_new_tokens > self.max_context:
             raise InvalidArgumentError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"the context length {self.max_context}"
+                f"the context length {self.max_context}",
+                field="prompt" if len(ids) >= self.max_context else "max_new_tokens",
             )
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self._live:

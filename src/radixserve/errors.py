@@ -6,7 +6,14 @@ class RadixServeError(Exception):
 
 
 class InvalidArgumentError(RadixServeError, ValueError):
-    """A caller passed a value outside the allowed range or of the wrong type."""
+    """A caller passed a value outside the allowed range or of the wrong type.
+
+    `field` names the offending argument where one is to blame (the server reports it).
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class SlotAllocationError(RadixServeError, ValueError):

@@ -22,7 +22,9 @@ def _check_range(name: str, value: float, lo: float, hi: float, *, integer: bool
     kind = "an integer" if integer else "a number"
     ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok_type or not lo <= value <= hi:
-        raise InvalidArgumentError(f"{name} must be {kind} in [{lo}, {hi}], got {value!r}")
+        raise InvalidArgumentError(
+            f"{name} must be {kind} in [{lo}, {hi}], got {value!r}", field=name
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +86,9 @@ class SamplingParams:
             raise InvalidArgumentError(f"sampling params must be a dict, got {type(params)}")
         unknown = set(params) - set(cls.__dataclass_fields__)
         if unknown:
-            raise InvalidArgumentError(f"unknown sampling parameter(s): {sorted(unknown)}")
+            raise InvalidArgumentError(
+                f"unknown sampling parameter(s): {sorted(unknown)}", field=sorted(unknown)[0]
+            )
         values = dict(params)
         if "stop" in values and values["stop"] is not None:
             stop = values["stop"]

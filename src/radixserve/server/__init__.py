@@ -1,0 +1,1 @@
+"""HTTP serving: the OpenAI-compatible API, native /generate, /metrics."""
