@@ -1,0 +1,244 @@
+"""Serving under load: radixserve with the radix cache on, against the same server with it off.
+
+An asynchronous httpx load generator replays a shared-prefix workload (groups of requests
+sharing a system prompt, each with its own question) with Poisson arrivals at several rates,
+streaming every answer. For each server and rate it reports request throughput, output
+tokens/s, TTFT and TPOT at p50 and p99, and the cache hit rate read from `/metrics`. With
+`--llama-cpp` it also runs llama-cpp-python's OpenAI server on the same GGUF (installing it
+first with `--install-llama-cpp`).
+
+    python bench/serve.py                     # rates 0.5, 1, 2 req/s, 32 requests each
+    python bench/serve.py --quick             # one rate, 12 requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+from radixserve.model.loader import default_model_path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(command: list[str], port: int, ready: str | None) -> subprocess.Popen:
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if ready is not None:
+            line = proc.stdout.readline()
+            if ready in line:
+                return proc
+            if not line and proc.poll() is not None:
+                break
+        else:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server did not start: {' '.join(command)}")
+
+
+def workload(groups: int, per_group: int, system: int, question: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(groups):
+        head = rng.integers(100, 40_000, system).tolist()
+        prompts += [head + rng.integers(100, 40_000, question).tolist() for _ in range(per_group)]
+    order = rng.permutation(len(prompts))
+    return [prompts[i] for i in order]
+
+
+def read_counters(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for name in ("radixserve_prompt_tokens_total", "radixserve_cached_prompt_tokens_total"):
+        match = re.search(rf"^{name} ([0-9.e+]+)$", text, re.MULTILINE)
+        if match:
+            out[name] = float(match.group(1))
+    return out
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt, max_tokens: int) -> dict:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            item = json.loads(line[6:])
+            if item.get("choices") and item["choices"][0].get("text") and first is None:
+                first = time.perf_counter()
+            if item.get("usage"):
+                tokens = item["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    first = first or end
+    return {
+        "ttft": first - start,
+        "e2e": end - start,
+        "tokens": tokens,
+        "tpot": (end - first) / max(1, tokens - 1),
+    }
+
+
+async def run_rate(url: str, prompts, rate: float, max_tokens: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, len(prompts))
+    async with httpx.AsyncClient(timeout=600) as client:
+        start = time.perf_counter()
+        tasks = []
+        for prompt, gap in zip(prompts, gaps, strict=True):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one_request(client, url, prompt, max_tokens)))
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+    pct = lambda key, q: float(np.percentile([r[key] for r in results], q))  # noqa: E731
+    return {
+        "req_s": len(results) / wall,
+        "tok_s": sum(r["tokens"] for r in results) / wall,
+        "ttft50": pct("ttft", 50),
+        "ttft99": pct("ttft", 99),
+        "tpot50": pct("tpot", 50),
+        "tpot99": pct("tpot", 99),
+    }
+
+
+def bench_server(name, command, port, ready, prompts, rates, max_tokens) -> list[dict]:
+    proc = start_server(command, port, ready)
+    url = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        for k, rate in enumerate(rates):
+            before = read_counters(url) if ready else {}
+            row = asyncio.run(run_rate(url, prompts, rate, max_tokens, seed=k))
+            if ready:
+                after = read_counters(url)
+                prompt = after["radixserve_prompt_tokens_total"] - before.get(
+                    "radixserve_prompt_tokens_total", 0
+                )
+                cached = after["radixserve_cached_prompt_tokens_total"] - before.get(
+                    "radixserve_cached_prompt_tokens_total", 0
+                )
+                row["hit"] = cached / prompt if prompt else float("nan")
+                httpx.post(f"{url}/flush_cache", timeout=30)  # each rate starts cold
+            rows.append({"server": name, "rate": rate, **row})
+            print_row(rows[-1])
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return rows
+
+
+def print_row(r: dict) -> None:
+    hit = f"{100 * r['hit']:6.1f}%" if "hit" in r else "    n/a"
+    print(
+        f"  {r['server']:<22} {r['rate']:>5.2f} req/s offered: {r['req_s']:6.2f} req/s "
+        f"{r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft50']:6.2f} p99 {r['ttft99']:6.2f} s  "
+        f"TPOT p50 {1e3 * r['tpot50']:6.1f} p99 {1e3 * r['tpot99']:6.1f} ms  hit {hit}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rates", default="0.5,1,2")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-cpp", action="store_true", help="also bench llama-cpp-python")
+    parser.add_argument(
+        "--install-llama-cpp",
+        action="store_true",
+        help="pip install llama-cpp-python[server] first (builds llama.cpp)",
+    )
+    args = parser.parse_args()
+    groups, per_group, system, question, out = (
+        (3, 4, 256, 32, 16) if args.quick else (4, 8, 512, 32, 16)
+    )
+    rates = [1.0] if args.quick else [float(r) for r in args.rates.split(",")]
+    prompts = workload(groups, per_group, system, question, seed=0)
+    unique = groups * system + len(prompts) * question
+    total = sum(len(p) for p in prompts)
+    print(
+        f"workload: {len(prompts)} requests, {groups} groups, {system}-token system prompts, "
+        f"{question}-token questions, {out} output tokens; prompt tokens {total}, unique "
+        f"{unique} (ideal hit rate {1 - unique / total:.1%})"
+    )
+    base = [
+        sys.executable,
+        "-m",
+        "radixserve.cli",
+        "serve",
+        "--threads",
+        str(args.threads),
+        "--kv-cache-tokens",
+        "32768",
+    ]
+    results = []
+    for name, extra in (
+        ("radixserve, cache on", []),
+        ("radixserve, cache off", ["--disable-radix-cache"]),
+    ):
+        port = free_port()
+        results += bench_server(
+            name, [*base, *extra, "--port", str(port)], port, "ready", prompts, rates, out
+        )
+    if args.install_llama_cpp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "llama-cpp-python[server]"], check=True
+        )
+    if args.llama_cpp or args.install_llama_cpp:
+        if importlib.util.find_spec("llama_cpp") is None:
+            print("  llama-cpp-python is not installed; pass --install-llama-cpp")
+        else:
+            port = free_port()
+            command = [
+                sys.executable,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                str(default_model_path()),
+                "--port",
+                str(port),
+                "--n_threads",
+                str(args.threads),
+                "--n_ctx",
+                "4096",
+            ]
+            results += bench_server("llama-cpp-python", command, port, None, prompts, rates, out)
+    on = [r for r in results if r["server"] == "radixserve, cache on"]
+    off = [r for r in results if r["server"] == "radixserve, cache off"]
+    for a, b in zip(on, off, strict=True):
+        print(
+            f"  rate {a['rate']}: cache on / off throughput {a['tok_s'] / b['tok_s']:.2f}x, "
+            f"TTFT p50 {b['ttft50'] / a['ttft50']:.2f}x lower"
+        )
+
+
+if __name__ == "__main__":
+    main()
