@@ -143,3 +143,14 @@ def test_flush_cache_when_idle(live):
     out = httpx.post(f"{live.url}/flush_cache")
     assert out.status_code == 200
     assert live.engine.cache.total_size() == 0
+
+
+def test_completion_logprobs(live, client):
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    assert "".join(f" {t}" for t in lp.tokens).strip() == out.choices[0].text.strip()
