@@ -184,72 +184,92 @@ def create_app(
             return {**params, "seed": params["seed"] + i}
         return params
 
+    async def respond(request, body, started, kind: str, choice, usage_of, delta):
+        """The OpenAI response for `started` requests: one JSON body, or an SSE stream.
+
+        `choice(k, result)` builds a final choice, `delta(k, chunk)` a streamed one; a chat
+        stream opens each choice with the assistant role.
+        """
+        cid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+
+        def frame(choices, **extra):
+            chunk_obj = f"{obj}.chunk" if kind == "chat" else obj
+            return {
+                "id": cid,
+                "object": chunk_obj,
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": choices,
+                **extra,
+            }
+
+        if not body.stream:
+            results = [await collect(request, rid, q) for rid, q in started]
+            return {
+                "id": cid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": [choice(k, r) for k, r in enumerate(results)],
+                "usage": usage_of(results),
+            }
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[dict]:
+            if kind == "chat":
+                for k in range(len(started)):
+                    yield frame(
+                        [
+                            {
+                                "index": k,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
+            finals: list = []
+            merged = _merge_streams(
+                started, stream_chunks, lambda k, chunk: frame([delta(k, chunk)]), finals
+            )
+            async for item in merged:
+                yield item
+            if include_usage:
+                yield frame([], usage=usage_of(finals))
+
+        return sse(events())
+
+    def stream_finish(chunk: StreamChunk) -> str | None:
+        return finish_reason(chunk.result) if chunk.finished else None
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         if body.echo:
             raise APIError(400, "echo is not supported", "echo")
-        prompts = _prompt_list(body.prompt)
         params = sampling(body, body.max_tokens, body.logprobs)
-        jobs = [(p, i) for p in prompts for i in range(body.n)]
+        jobs = [(p, i) for p in _prompt_list(body.prompt) for i in range(body.n)]
         started = [await start(p, seeded(params, i)) for p, i in jobs]
-        cid = f"cmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(completion_stream(cid, started, include_usage))
-        results = [await collect(request, rid, q) for rid, q in started]
-        choices = [
-            {
+        return await respond(
+            request,
+            body,
+            started,
+            "completion",
+            lambda k, r: {
                 "index": k,
                 "text": r.text,
                 "logprobs": _completion_logprobs(engine, r) if body.logprobs is not None else None,
                 "finish_reason": finish_reason(r),
-            }
-            for k, r in enumerate(results)
-        ]
-        return {
-            "id": cid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": choices,
-            "usage": _sum_usage(results, body.n, usage),
-        }
-
-    async def completion_stream(cid, started, include_usage: bool) -> AsyncIterator[dict]:
-        finals: list = []
-        merged = _merge_streams(
-            started,
-            stream_chunks,
-            lambda k, chunk: {
-                "id": cid,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": model_name,
-                "choices": [
-                    {
-                        "index": k,
-                        "text": chunk.text,
-                        "logprobs": None,
-                        "finish_reason": finish_reason(chunk.result) if chunk.finished else None,
-                    }
-                ],
             },
-            finals,
+            lambda results: _sum_usage(results, body.n, usage),
+            lambda k, chunk: {
+                "index": k,
+                "text": chunk.text,
+                "logprobs": None,
+                "finish_reason": stream_finish(chunk),
+            },
         )
-        async for item in merged:
-            yield item
-        if include_usage:
-            yield {
-                "id": cid,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": model_name,
-                "choices": [],
-                "usage": usage(finals),
-            }
-
-    # -- OpenAI chat completions ----------------------------------------------------------
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -267,71 +287,25 @@ def create_app(
         top = body.top_logprobs if body.logprobs else None
         params = sampling(body, max_tokens, (top or 0) if body.logprobs else None)
         started = [await start(prompt, seeded(params, i)) for i in range(body.n)]
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(chat_stream(cid, started, include_usage))
-        results = [await collect(request, rid, q) for rid, q in started]
-        choices = [
-            {
+        return await respond(
+            request,
+            body,
+            started,
+            "chat",
+            lambda k, r: {
                 "index": k,
                 "message": {"role": "assistant", "content": r.text},
                 "logprobs": None,
                 "finish_reason": finish_reason(r),
-            }
-            for k, r in enumerate(results)
-        ]
-        return {
-            "id": cid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": choices,
-            "usage": usage(results),
-        }
-
-    async def chat_stream(cid, started, include_usage: bool) -> AsyncIterator[dict]:
-        def frame(choices, **extra):
-            return {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": int(time.time()),
-                "model": model_name,
-                "choices": choices,
-                **extra,
-            }
-
-        for k in range(len(started)):
-            yield frame(
-                [
-                    {
-                        "index": k,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            )
-        finals: list = []
-        merged = _merge_streams(
-            started,
-            stream_chunks,
-            lambda k, chunk: frame(
-                [
-                    {
-                        "index": k,
-                        "delta": {"content": chunk.text} if chunk.text else {},
-                        "logprobs": None,
-                        "finish_reason": finish_reason(chunk.result) if chunk.finished else None,
-                    }
-                ]
-            ),
-            finals,
+            },
+            usage,
+            lambda k, chunk: {
+                "index": k,
+                "delta": {"content": chunk.text} if chunk.text else {},
+                "logprobs": None,
+                "finish_reason": stream_finish(chunk),
+            },
         )
-        async for item in merged:
-            yield item
-        if include_usage:
-            yield frame([], usage=usage(finals))
 
     # -- native and service endpoints -----------------------------------------------------
 
