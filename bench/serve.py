@@ -170,6 +170,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rates", default="0.5,1,2")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--servers", default="on,off", help="radixserve configurations to run: on, off (cache)"
+    )
     parser.add_argument("--llama-cpp", action="store_true", help="also bench llama-cpp-python")
     parser.add_argument(
         "--install-llama-cpp",
@@ -200,10 +203,13 @@ def main() -> None:
         "32768",
     ]
     results = []
-    for name, extra in (
-        ("radixserve, cache on", []),
-        ("radixserve, cache off", ["--disable-radix-cache"]),
+    wanted = set(args.servers.split(","))
+    for key, name, extra in (
+        ("on", "radixserve, cache on", []),
+        ("off", "radixserve, cache off", ["--disable-radix-cache"]),
     ):
+        if key not in wanted:
+            continue
         port = free_port()
         results += bench_server(
             name, [*base, *extra, "--port", str(port)], port, "ready", prompts, rates, out
@@ -233,7 +239,7 @@ def main() -> None:
             results += bench_server("llama-cpp-python", command, port, None, prompts, rates, out)
     on = [r for r in results if r["server"] == "radixserve, cache on"]
     off = [r for r in results if r["server"] == "radixserve, cache off"]
-    for a, b in zip(on, off, strict=True):
+    for a, b in zip(on, off, strict=True) if on and off else ():
         print(
             f"  rate {a['rate']}: cache on / off throughput {a['tok_s'] / b['tok_s']:.2f}x, "
             f"TTFT p50 {b['ttft50'] / a['ttft50']:.2f}x lower"
