@@ -36,7 +36,10 @@ def free_port() -> int:
 
 
 def start_server(command: list[str], port: int, ready: str | None) -> subprocess.Popen:
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Without a ready line to wait for, nobody reads the output: discard it, or a chatty
+    # server blocks on a full pipe.
+    output = subprocess.PIPE if ready is not None else subprocess.DEVNULL
+    proc = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if ready is not None:
@@ -86,19 +89,22 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt, max_tokens: i
     }
     start = time.perf_counter()
     first = None
-    tokens = 0
+    tokens = chunks = 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             item = json.loads(line[6:])
-            if item.get("choices") and item["choices"][0].get("text") and first is None:
-                first = time.perf_counter()
+            if item.get("choices") and item["choices"][0].get("text"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter()
             if item.get("usage"):
                 tokens = item["usage"]["completion_tokens"]
     end = time.perf_counter()
     first = first or end
+    tokens = tokens or chunks  # a server that sends no usage streams one token per chunk
     return {
         "ttft": first - start,
         "e2e": end - start,
@@ -222,6 +228,13 @@ def main() -> None:
         if importlib.util.find_spec("llama_cpp") is None:
             print("  llama-cpp-python is not installed; pass --install-llama-cpp")
         else:
+            # llama-cpp-python's server takes text prompts only: send the same prompts as text.
+            from gguf import GGUFReader
+
+            from radixserve.model.loader import gguf_tokenizer
+
+            tokenizer = gguf_tokenizer(GGUFReader(str(default_model_path())))
+            text_prompts = [tokenizer.decode(p) for p in prompts]
             port = free_port()
             command = [
                 sys.executable,
@@ -236,7 +249,9 @@ def main() -> None:
                 "--n_ctx",
                 "4096",
             ]
-            results += bench_server("llama-cpp-python", command, port, None, prompts, rates, out)
+            results += bench_server(
+                "llama-cpp-python", command, port, None, text_prompts, rates, out
+            )
     on = [r for r in results if r["server"] == "radixserve, cache on"]
     off = [r for r in results if r["server"] == "radixserve, cache off"]
     for a, b in zip(on, off, strict=True) if on and off else ():
