@@ -23,7 +23,7 @@ from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
 from radixserve.errors import InvalidArgumentError
-from radixserve.model.attention import AttentionMetadata, TorchAttention
+from radixserve.model.attention import AttentionMetadata, make_attention_backend
 from radixserve.model.kv import KVPool
 from radixserve.model.loader import load_model
 from radixserve.model.sampling import SampleOutput, SamplingState, sample
@@ -121,7 +121,7 @@ class Engine:
             self.dtype,
             self.device,
         )
-        self.attention = TorchAttention(decode=config.decode_attention)
+        self.attention = make_attention_backend("torch", decode=config.decode_attention)
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)

@@ -90,10 +90,6 @@ class TreeNode:
         return np.frombuffer(self.key, dtype=TOKEN_DTYPE)
 
     @property
-    def is_root(self) -> bool:
-        return self.parent is None and not self.key
-
-    @property
     def evicted(self) -> bool:
         """True once the node has left the tree."""
         return self.parent is None and bool(self.key)

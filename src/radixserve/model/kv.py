@@ -30,9 +30,5 @@ class KVPool:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 
-    @staticmethod
-    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

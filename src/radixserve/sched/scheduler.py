@@ -112,10 +112,6 @@ class Batch:
     def __len__(self) -> int:
         return len(self.entries)
 
-    @property
-    def num_new_tokens(self) -> int:
-        return sum(len(e.token_ids) for e in self.entries)
-
 
 @dataclass
 class SchedulerStats:
