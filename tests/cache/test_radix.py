@@ -125,6 +125,16 @@ def test_hit_count_counts_every_node_reached():
     assert (top.hit_count, deep.hit_count) == (2, 1)
 
 
+def test_match_without_count_hit_refreshes_but_does_not_count():
+    clock = ManualClock()
+    cache = make_cache(clock=clock)
+    cache_sequence(cache, "abcd")
+    clock.advance()
+    node = cache.match_prefix(tokens("abcd"), count_hit=False).last_node
+    assert (node.hit_count, node.last_access_time) == (0, clock.now)
+    check(cache)
+
+
 def test_peek_prefix_changes_nothing():
     clock = ManualClock()
     cache = make_cache(clock=clock)
@@ -229,6 +239,29 @@ def test_parent_left_as_unlocked_leaf_becomes_a_candidate():
     assert cache.evict(6) == 6
     assert cache.total_size() == 0 and cache.evictable_size() == 0
     assert cache.allocator.available_size() == 64
+    check(cache)
+
+
+def test_heap_compaction_during_evict_keeps_the_index_exact():
+    """Regression: compaction inside evict() once rebound the heap that evict was popping from,
+    so leaves evicted from the old list stayed listed in the new one."""
+    clock = ManualClock()
+    cache = make_cache(size=4096, clock=clock, eviction_policy="mru")
+    for i in range(300):  # a parent [i] with two leaves
+        cache_sequence(cache, [i, 1000])
+        cache_sequence(cache, [i, 1001])
+    i = 0
+    while len(cache._heap) < 2 * cache._num_evictable_leaves + 1024 - 300:
+        clock.advance()  # under MRU a stale entry sorts after the live ones
+        cache.match_prefix(tokens([i % 300, 1001]))
+        i += 1
+    clock.advance()
+    for i in range(300):
+        cache.match_prefix(tokens([i, 1000]))  # the newest: MRU evicts these first
+    # Evicting the 300 [i, 1000] leaves halves the live count without a push; the next pop
+    # uncovers a parent, whose push compacts the heap in the middle of evict().
+    cache.evict(cache.evictable_size())
+    assert cache.total_size() == 0
     check(cache)
 
 

@@ -162,6 +162,7 @@ class RadixCache:
         self.allocator = allocator
         self.page_size = page_size
         self.policy = make_eviction_policy(eviction_policy)
+        self._on_evict = getattr(self.policy, "on_evict", None)
         self.disable = bool(disable)
         self.enable_kv_events = bool(enable_kv_events)
         self._clock = clock
@@ -211,12 +212,15 @@ class RadixCache:
             first = count
         return first - first % self.page_size
 
-    def match_prefix(self, key: object, extra_key: Hashable | None = None) -> MatchResult:
+    def match_prefix(
+        self, key: object, extra_key: Hashable | None = None, *, count_hit: bool = True
+    ) -> MatchResult:
         """The longest cached whole-page prefix of `key` in namespace `extra_key`.
 
         Splits a node when the match ends inside its edge, so `last_node` ends exactly at
-        `prefix_len`. Sets `last_access_time` (one clock reading) and bumps `hit_count` on every
-        node it reaches. Never changes sizes or slot ownership.
+        `prefix_len`. Sets `last_access_time` (one clock reading) on every node it reaches, and
+        bumps their `hit_count` unless `count_hit` is false (a request re-pointed at the tree's
+        copy of what it just inserted is not a reuse). Never changes sizes or slot ownership.
         """
         kb = encode_key(key)
         root = self._roots.get(extra_key)
@@ -236,7 +240,7 @@ class RadixCache:
             if not kb.startswith(edge, pos):
                 child = self._split(child, self._common_prefix_tokens(kb, pos, edge, end))
             child.last_access_time = now
-            child.hit_count += 1
+            child.hit_count += count_hit
             values.append(child.value)
             pos += len(child.key)
             node = child
@@ -393,7 +397,8 @@ class RadixCache:
         heapq.heappush(self._heap, entry)
         self._num_evictable_leaves += 1
         if len(self._heap) > 2 * self._num_evictable_leaves + 1024:
-            self._heap = [e for e in self._heap if e[2] is not None]
+            # In place: evict() holds this list while it pops.
+            self._heap[:] = [e for e in self._heap if e[2] is not None]
             heapq.heapify(self._heap)
 
     def _unlist(self, node: TreeNode) -> None:
@@ -430,10 +435,14 @@ class RadixCache:
         freed = 0
         released = []
         events = self.enable_kv_events
+        on_evict = self._on_evict
+        now = self._clock() if on_evict is not None else 0.0
         while freed < num_tokens and heap:
-            node = heapq.heappop(heap)[2]
+            key, _, node = heapq.heappop(heap)
             if node is None:
                 continue
+            if on_evict is not None:
+                on_evict(node, key, now)
             node.heap_entry = None
             self._num_evictable_leaves -= 1
             parent = node.parent
