@@ -44,6 +44,20 @@ def test_finished_sequence_serves_the_next_request():
     assert sched.stats.cached_prompt_tokens == 22
 
 
+def test_a_requests_own_chunks_do_not_count_as_hits():
+    """Regression: re-pointing a request at the tree's copy of its chunk bumped hit_count, so
+    LFU and SLRU saw every chunked prompt as reused."""
+    sched = make_scheduler(chunked_prefill_size=8)
+    sched.add_request(req("a", list(range(1, 31)), max_new_tokens=2))
+    run_to_completion(sched)
+    nodes = sched.cache._nodes()
+    assert nodes and all(node.hit_count == 0 for node in nodes)
+    sched.add_request(req("b", [*range(1, 31), 9]))
+    run_to_completion(sched)
+    prompt_path = sched.cache.match_prefix(np.arange(1, 31, dtype=np.int32), count_hit=False)
+    assert prompt_path.last_node.hit_count == 1, "b's reuse is the one hit"
+
+
 def test_prefix_is_shared_while_the_first_request_still_decodes():
     sched = make_scheduler()
     sched.add_request(req("a", list(range(1, 41)), max_new_tokens=50))

@@ -267,7 +267,7 @@ class Scheduler:
             )
             duplicates = slots[req.cached_len : inserted].copy()
             if not finished:
-                match = cache.match_prefix(key, req.extra_key)
+                match = cache.match_prefix(key, req.extra_key, count_hit=False)
                 slots[:aligned] = match.indices
                 cache.inc_lock_ref(match.last_node)
                 cache.dec_lock_ref(req.last_node)
@@ -350,6 +350,9 @@ class Scheduler:
 
     def _admit_waiting(self, rnd: _Round) -> None:
         cfg = self.config
+        full = len(self.running) + len(rnd.entries) >= cfg.max_running_requests
+        if full and not cfg.enable_priority_scheduling:
+            return  # nothing could be admitted or preempted for: skip ordering the queue
         ordered = order_queue(
             self.waiting,
             self.policy,
