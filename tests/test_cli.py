@@ -78,3 +78,15 @@ def test_cost_constants_are_settable_by_name():
         parse_cost_model("speed=3")
     with pytest.raises(InvalidArgumentError, match="needs a number"):
         parse_cost_model("decode_step=fast")
+
+
+def test_workload_args_reach_the_generator_and_bad_ones_exit_2(capsys):
+    assert main(["replay", "workload:agent", "--workload-args", "num_agents=2,steps=2"]) == 0
+    assert "| lru | fcfs |" in capsys.readouterr().out
+    for bad in ("num_agents", "no_such_arg=3", "num_agents=0"):
+        with pytest.raises(SystemExit) as exc:
+            main(["replay", "workload:agent", "--workload-args", bad])
+        assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["replay", "trace.jsonl", "--workload-args", "num_agents=2"])
+    assert "workload" in capsys.readouterr().err

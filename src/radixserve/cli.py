@@ -57,12 +57,34 @@ def parse_cost_model(value: str | None):
     return CostModel(**changes)
 
 
-def _load(trace: str, fmt: str, block_size: int, seed: int):
+def parse_workload_args(value: str | None) -> dict:
+    """'num_groups=512,zipf=1.1' -> {'num_groups': 512, 'zipf': 1.1} (numbers stay numbers)."""
+    import ast
+
+    out: dict = {}
+    for item in _split(value or ""):
+        name, sep, text = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise InvalidArgumentError(f"--workload-args entries must be name=value, got {item!r}")
+        try:
+            out[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[name] = text
+    return out
+
+
+def _load(trace: str, fmt: str, block_size: int, seed: int, workload_args: str | None = None):
+    from radixserve.sim.study import workload_trace
     from radixserve.sim.traces import load_trace
-    from radixserve.sim.workloads import make_workload
 
     if trace.startswith("workload:"):
-        return make_workload(trace.split(":", 1)[1], seed=seed)
+        kwargs = parse_workload_args(workload_args)
+        try:
+            return workload_trace(trace.split(":", 1)[1], seed=seed, **kwargs)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"--workload-args: {exc}") from None
+    if workload_args:
+        raise InvalidArgumentError("--workload-args applies only to workload:NAME traces")
     return load_trace(trace, fmt=fmt, block_size=block_size)
 
 
@@ -71,7 +93,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from radixserve.sim.replay import ReplayConfig, replay
     from radixserve.sim.report import markdown_table, plot_hit_rates, write_csv, write_json
 
-    trace = _load(args.trace, args.format, args.block_size, args.seed)
+    trace = _load(args.trace, args.format, args.block_size, args.seed, args.workload_args)
     evictions, schedules = _split(args.eviction), _split(args.schedule)
     sizes = parse_cache_sizes(args.cache)
     cost_model = parse_cost_model(args.cost)
@@ -111,6 +133,37 @@ def cmd_replay(args: argparse.Namespace) -> int:
             "wrote %s",
             ", ".join(str(out / n) for n in ("replay.csv", "replay.json", "hit_rate.png")),
         )
+    return 0
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    from radixserve.sim.study import mean_gap_closed, run_study, summarize, write_report
+
+    sizes = [float(s) for s in _split(args.cache.replace("%", ""))]
+    workloads = _split(args.workloads) if args.workloads else None
+    kwargs = {"workloads": workloads} if workloads else {}
+
+    def progress(row) -> None:
+        log.info(
+            "%s %s %g%%: %.1f%%", row.workload, row.policy, row.size_percent, 100 * row.hit_rate
+        )
+
+    rows = run_study(
+        policies=_split(args.eviction),
+        sizes=sizes,
+        scale=args.scale,
+        seed=args.seed,
+        jobs=args.jobs,
+        progress=progress,
+        **kwargs,
+    )
+    md = write_report(args.out, rows, markdown=args.markdown, policy=args.policy, scale=args.scale)
+    summaries = summarize(rows, args.policy)
+    print(f"wrote {md} and {args.out}/")
+    print(f"mean gap closed by {args.policy}: {100 * mean_gap_closed(summaries):.1f}%")
+    for s in summaries:
+        closed = "n/a" if s.gap_closed is None else f"{100 * s.gap_closed:.0f}%"
+        print(f"  {s.workload}: gap closed {closed}, worst vs lru {s.worst_vs_lru:+.2f} points")
     return 0
 
 
@@ -198,10 +251,30 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--chunked-prefill-size", type=int, default=8192)
     rp.add_argument("--seed", type=int, default=0, help="seed for workload:NAME traces")
     rp.add_argument(
+        "--workload-args", help="generator arguments for workload:NAME, e.g. num_groups=512"
+    )
+    rp.add_argument(
         "--cost", help="cost-model constants, e.g. decode_step=0.01,prefill_per_token=1e-4"
     )
     rp.add_argument("--out", help="directory for replay.csv, replay.json and hit_rate.png")
     rp.set_defaults(func=cmd_replay)
+
+    st = sub.add_parser(
+        "study",
+        help="the eviction study: every lab workload x cache size x policy",
+        description="Replay every study workload at every cache size under every policy, and "
+        "write the markdown report, one PNG per workload and study.json.",
+    )
+    st.add_argument("--out", default="docs/eviction", help="directory for PNGs and study.json")
+    st.add_argument("--markdown", default=None, help="report file (default: OUT.md)")
+    st.add_argument("--eviction", default="lru,lfu,slru,wgd,belady")
+    st.add_argument("--policy", default="wgd", help="the policy the summary judges")
+    st.add_argument("--cache", default="0.5,1,2,5,10,20", help="sizes, % of unique tokens")
+    st.add_argument("--workloads", default=None, help="comma-separated (default: all)")
+    st.add_argument("--scale", type=float, default=1.0, help="multiplies each workload's size")
+    st.add_argument("--seed", type=int, default=0)
+    st.add_argument("--jobs", type=int, default=1, help="replays run in parallel")
+    st.set_defaults(func=cmd_study)
 
     sv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     sv.add_argument(

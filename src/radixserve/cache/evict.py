@@ -16,19 +16,34 @@ key when a node becomes an evictable leaf and again whenever a field above chang
 cache's `check_invariants()` verifies that every stored key equals `policy.key(node)`, so a key
 must not depend on anything else that changes over time.
 
+Optional hooks, for policies that keep state of their own (the tree calls each only if the
+policy defines it):
+
+- `bind(cache)`: the tree was created or reset; the policy drops its state and may keep the
+  cache, to read its sizes or to call `cache.refresh_eviction_key(node)` when a key it gave
+  changes for a reason the tree cannot see;
+- `on_insert(node)`: a new leaf joined the tree, before its key is first asked for;
+- `on_evict(node, key, now)`: a leaf leaves the tree by eviction, still linked to its parent.
+
+`TreeNode.eviction_state` belongs to the policy: the tree sets it to None on every new node
+(including the upper half of a split) and never reads it.
+
 Register a policy under a name with `register_eviction_policy(name, factory)`, or pass an
 instance straight to `RadixCache(eviction_policy=...)`.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from radixserve.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from radixserve.cache.radix import TreeNode
+    from radixserve.cache.radix import RadixCache, TreeNode
 
 
 @runtime_checkable
@@ -118,6 +133,160 @@ class SLRUPolicy:
         return (node.hit_count >= self.threshold, node.last_access_time)
 
 
+def prefix_identity(node: TreeNode, page_bytes: int) -> int:
+    """A hash naming where `node` starts: its namespace, every token above it, its first page.
+
+    Equal for a node and a later node holding the same tokens at the same place, even when
+    nodes above were split or evicted and cached again in between.
+    """
+    parts = []
+    walker = node.parent
+    while walker is not None and walker.parent is not None:
+        parts.append(walker.key)
+        walker = walker.parent
+    parts.reverse()
+    parts.append(node.key[:page_bytes])
+    return hash((node.extra_key, b"".join(parts)))
+
+
+_WINDOW, _PROBATION, _PROTECTED = "window", "probation", "protected"
+_RANK = {_PROBATION: 0, _PROTECTED: 1, _WINDOW: 2}
+
+
+class _State:
+    """What WindowedGreedyDualPolicy knows of one node."""
+
+    __slots__ = ("segment", "size", "stamp")
+
+    def __init__(self, segment: str, size: int = 0, stamp: int = 0) -> None:
+        self.segment = segment
+        self.size = size
+        self.stamp = stamp
+
+
+class WindowedGreedyDualPolicy:
+    """A recency window, a scan-resistant probation and a frequency-aged protected segment.
+
+    Every evictable leaf is in one of three segments, and eviction empties them in this order:
+
+    1. **probation**: nodes that left the window without a hit. The most recently demoted goes
+       first, so residents that got in earlier are kept and a stream of one-off or cyclic
+       requests longer than the cache cannot flush them. This is the admission rule of LIRS
+       (Jiang and Zhang, SIGMETRICS 2002) and W-TinyLFU (Einziger et al., ACM ToS 2017): a
+       newcomer with no history does not displace an incumbent that has none either.
+    2. **protected**: nodes that were hit, or that were cached again soon after being evicted
+       (a ghost hit, as in ARC's B1 list: Megiddo and Modha, FAST 2003). They leave in
+       GreedyDual order (Young 1994; Cao and Irani 1997; GDSF, Cherkasova 1998): priority
+       H = L + log2(1 + hit_count), where L is the priority of the last protected node evicted
+       when this node was last used. Frequent nodes stay longer, and L's rise ages out nodes
+       that were frequent once.
+    3. **window**: the newest leaves, up to `window` x the pool's tokens, by LRU. Whatever a
+       request creates stays until its immediate follow-ups (the next turn, a child thought)
+       have had a chance to reuse it.
+
+    Ghosts are the prefix identities (`prefix_identity`) of never-hit nodes that were evicted,
+    kept up to `ghost` x the pool's tokens, oldest dropped first.
+
+    When to use it: a small cache (a few percent of the working set) under mixed traffic, where
+    LRU flushes shared prefixes with one-off tails or cycles through more sessions than fit.
+    With a cache that holds the working set, it behaves like LRU. It is online: it reads only
+    the tree and the past. Costs: O(log n) per key as for LRU, plus one walk up the node's path
+    per insertion and per eviction of a never-hit node (hashing its prefix).
+    """
+
+    name = "wgd"
+    tracks_access = True
+
+    def __init__(self, window: float = 0.1, ghost: float = 2.0) -> None:
+        if not 0 < window < 1:
+            raise InvalidArgumentError(f"wgd window must be in (0, 1), got {window!r}")
+        if not ghost >= 0:
+            raise InvalidArgumentError(f"wgd ghost must be >= 0, got {ghost!r}")
+        self.window = window
+        self.ghost = ghost
+        self.bind(None)
+
+    def bind(self, cache: RadixCache | None) -> None:
+        """Start afresh for `cache` (called by the tree when it is created or reset)."""
+        self.cache = cache
+        pool = cache.allocator.size if cache is not None else 0
+        self._page_bytes = 4 * cache.page_size if cache is not None else 4
+        self._window_limit = self.window * pool
+        self._ghost_limit = self.ghost * pool
+        self._window: deque[TreeNode] = deque()
+        self._window_tokens = 0
+        self._demotions = 0
+        self._ghosts: OrderedDict[int, int] = OrderedDict()
+        self._ghost_tokens = 0
+        # L as a step function of time: L(t) is the level after the evictions before t.
+        self._level_times = [-math.inf]
+        self._levels = [0.0]
+
+    def level_at(self, t: float) -> float:
+        """L as it stood just before time `t`."""
+        return self._levels[bisect.bisect_left(self._level_times, t) - 1]
+
+    def segment(self, node: TreeNode) -> str:
+        """The segment `node` is ranked in."""
+        state = node.eviction_state
+        if node.hit_count or (state is not None and state.segment == _PROTECTED):
+            return _PROTECTED
+        return _PROBATION if state is None else state.segment
+
+    def key(self, node: TreeNode) -> tuple[int, float, float]:
+        segment = self.segment(node)
+        if segment == _PROTECTED:
+            t = node.last_access_time
+            return (1, self.level_at(t) + math.log2(1 + node.hit_count), t)
+        if segment == _WINDOW:
+            return (2, node.last_access_time, 0.0)
+        # Probation: newest demotion first. An upper half of a split that no hit ever reached
+        # has no state and counts as the oldest.
+        state = node.eviction_state
+        return (0, -(state.stamp if state is not None else 0), 0.0)
+
+    def on_insert(self, node: TreeNode) -> None:
+        size = self._ghosts.pop(prefix_identity(node, self._page_bytes), None)
+        if size is not None:
+            self._ghost_tokens -= size
+            node.eviction_state = _State(_PROTECTED)
+            return
+        node.eviction_state = _State(_WINDOW, len(node))
+        self._window.append(node)
+        self._window_tokens += len(node)
+        while self._window_tokens > self._window_limit and self._window:
+            oldest = self._window.popleft()
+            state = oldest.eviction_state
+            if state.segment != _WINDOW:
+                continue  # evicted while in the window; its tokens were returned then
+            self._window_tokens -= state.size
+            self._demotions += 1
+            state.segment, state.stamp = _PROBATION, self._demotions
+            if oldest is not node and oldest.heap_entry is not None and not oldest.hit_count:
+                self.cache.refresh_eviction_key(oldest)
+
+    def on_evict(self, node: TreeNode, key: tuple, now: float) -> None:
+        state = node.eviction_state
+        if state is not None and state.segment == _WINDOW:
+            self._window_tokens -= state.size
+            state.segment = _PROBATION
+        if key[0] == 1:
+            if key[1] > self._levels[-1]:
+                if self._level_times[-1] == now:
+                    self._levels[-1] = key[1]
+                else:
+                    self._level_times.append(now)
+                    self._levels.append(key[1])
+            return
+        if not self._ghost_limit:
+            return
+        identity = prefix_identity(node, self._page_bytes)
+        self._ghost_tokens += len(node) - self._ghosts.pop(identity, 0)
+        self._ghosts[identity] = len(node)
+        while self._ghost_tokens > self._ghost_limit:
+            self._ghost_tokens -= self._ghosts.popitem(last=False)[1]
+
+
 _REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "lfu": LFUPolicy,
@@ -126,6 +295,7 @@ _REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {
     "filo": FILOPolicy,
     "priority": PriorityPolicy,
     "slru": SLRUPolicy,
+    "wgd": WindowedGreedyDualPolicy,
 }
 
 

@@ -47,6 +47,7 @@ class TreeNode:
     __slots__ = (
         "children",
         "creation_time",
+        "eviction_state",
         "extra_key",
         "hashes",
         "heap_entry",
@@ -80,6 +81,7 @@ class TreeNode:
         self.hashes: list[bytes] | None = None
         self.heap_entry: list | None = None
         self.extra_key = extra_key
+        self.eviction_state: object = None
 
     def __len__(self) -> int:
         return len(self.value)
@@ -163,6 +165,7 @@ class RadixCache:
         self.page_size = page_size
         self.policy = make_eviction_policy(eviction_policy)
         self._on_evict = getattr(self.policy, "on_evict", None)
+        self._on_insert = getattr(self.policy, "on_insert", None)
         self.disable = bool(disable)
         self.enable_kv_events = bool(enable_kv_events)
         self._clock = clock
@@ -178,6 +181,9 @@ class RadixCache:
         self._num_evictable_leaves = 0
         self._evictable_size = 0
         self._protected_size = 0
+        bind = getattr(self.policy, "bind", None)
+        if bind is not None:
+            bind(self)  # a new or emptied tree: the policy starts afresh
 
     def _new_root(self, extra_key: Hashable | None) -> TreeNode:
         root = TreeNode(b"", _EMPTY_SLOTS, None, self._clock(), extra_key)
@@ -373,6 +379,8 @@ class RadixCache:
             self._unlist(parent)
         parent.children[key[: self._page_bytes]] = leaf
         self._evictable_size += len(value)
+        if self._on_insert is not None:
+            self._on_insert(leaf)
         self._push(leaf)
         if self.enable_kv_events:
             previous = self.page_hashes(parent)[-1] if parent.parent is not None else None

@@ -159,7 +159,6 @@ def replay(
     )
     on_admit = None
     if isinstance(policy, BeladyPolicy):
-        policy.bind(cache)
         on_admit = policy.on_admit
     sched_config = SchedulerConfig(
         schedule_policy=config.schedule_policy,

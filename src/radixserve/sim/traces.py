@@ -167,6 +167,14 @@ def write_token_jsonl(path: str | Path, trace: Iterable[TraceRequest]) -> None:
             handle.write(json.dumps(record) + "\n")
 
 
+def write_mooncake(path: str | Path, records: Iterable[dict]) -> None:
+    """Write Mooncake JSONL records (`timestamp`, `input_length`, `output_length`,
+    `hash_ids`), one per line, as `read_mooncake` reads them."""
+    with Path(path).open("w") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+
+
 def load_trace(path: str | Path, fmt: str = "auto", block_size: int = 512) -> list[TraceRequest]:
     """Read a trace file; `fmt` is `mooncake`, `tokens`, or `auto` (sniffed from line one)."""
     path = Path(path)

@@ -227,6 +227,69 @@ def agent_sessions(
     return gen.finish(items)
 
 
+def mooncake_conversation(
+    num_sessions: int = 1500,
+    num_apps: int = 40,
+    app_zipf: float = 1.0,
+    app_blocks: tuple[int, int] = (4, 32),
+    mean_turns: float = 3.0,
+    max_turns: int = 12,
+    turn_blocks: tuple[int, int] = (1, 6),
+    output_tokens: tuple[int, int] = (16, 48),
+    block_size: int = 16,
+    duration_s: float = 3600.0,
+    mean_think_s: float = 120.0,
+    seed: int = 0,
+) -> list[dict]:
+    """Mooncake JSONL records of chat traffic, in the shape the Mooncake paper describes.
+
+    Built from public descriptions of the FAST'25 conversation trace (block hashes instead of
+    text, sessions whose turns extend their own history, system prompts shared by the sessions
+    of one application), not from the trace itself. Sessions start uniformly over
+    `duration_s`; each picks an application by Zipf(`app_zipf`) popularity, whose system prompt
+    is its first blocks; it runs a geometric number of turns (mean `mean_turns`), each adding
+    `turn_blocks` new blocks (the previous answer and the new message) after an exponential
+    think time. Blocks hold `block_size` tokens; the published traces use 512, scaled down here
+    so a replay stays quick. Records are in timestamp order; read them with `read_mooncake`.
+    """
+    _positive(num_sessions=num_sessions, num_apps=num_apps, max_turns=max_turns)
+    _positive(block_size=block_size)
+    for name, (lo, hi) in (
+        ("app_blocks", app_blocks),
+        ("turn_blocks", turn_blocks),
+        ("output_tokens", output_tokens),
+    ):
+        if not 1 <= lo <= hi:
+            raise InvalidArgumentError(f"{name} must be (lo, hi) with 1 <= lo <= hi")
+    if not mean_turns >= 1:
+        raise InvalidArgumentError(f"mean_turns must be >= 1, got {mean_turns!r}")
+    rng = np.random.default_rng(seed)
+    next_block = iter(range(2**62))
+    apps = [
+        [next(next_block) for _ in range(rng.integers(app_blocks[0], app_blocks[1] + 1))]
+        for _ in range(num_apps)
+    ]
+    weights = 1.0 / np.arange(1, num_apps + 1) ** app_zipf
+    records = []
+    for start in rng.uniform(0.0, duration_s, num_sessions):
+        history = list(apps[rng.choice(num_apps, p=weights / weights.sum())])
+        turns = min(max_turns, int(rng.geometric(1.0 / mean_turns)))
+        t = float(start)
+        for _ in range(turns):
+            history += [next(next_block) for _ in range(rng.integers(*turn_blocks, endpoint=True))]
+            records.append(
+                {
+                    "timestamp": round(t * 1000),
+                    "input_length": len(history) * block_size - int(rng.integers(block_size)),
+                    "output_length": int(rng.integers(*output_tokens, endpoint=True)),
+                    "hash_ids": list(history),
+                }
+            )
+            t += float(rng.exponential(mean_think_s))
+    records.sort(key=lambda r: r["timestamp"])
+    return records
+
+
 WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
     "shared-prefix": shared_prefix,
     "shared-prefix-zipf": lambda **kw: shared_prefix(zipf=kw.pop("zipf", 1.1), **kw),
