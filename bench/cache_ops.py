@@ -14,11 +14,16 @@ evict in ms; per workload: total time and token hit rate; then the reference/rad
 
     python bench/cache_ops.py            # the full workloads
     python bench/cache_ops.py --quick    # a tenth of the requests
+    python bench/cache_ops.py --policies lru,wgd,slru   # (b) under each eviction policy
+
+With `--policies`, workload (b) is also run under each named eviction policy, each beside LRU
+in the same run: the per-call costs and their ratio to LRU's.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import time
 from dataclasses import dataclass, field
@@ -196,10 +201,11 @@ class Timings:
     tokens: int = 0
 
 
-def run(work: Workload, naive: bool = False, as_list: bool = False) -> Timings:
+def run(work: Workload, naive: bool = False, as_list: bool = False, policy: str = "lru") -> Timings:
     """Serve the workload's keys through the engine's cache path on one of the two trees."""
+    gc.collect()  # start clean: garbage from the previous run would be collected on our clock
     allocator = TokenToKVPoolAllocator(work.pool)
-    tree = NaiveRadixTree(allocator) if naive else RadixCache(allocator)
+    tree = NaiveRadixTree(allocator) if naive else RadixCache(allocator, eviction_policy=policy)
     keys = [k.tolist() for k in work.keys] if naive or as_list else work.keys
     out = Timings()
     clock = time.perf_counter
@@ -246,10 +252,24 @@ def row(label: str, t: Timings) -> str:
     )
 
 
+def policy_rows(work: Workload, lru: Timings, policies: list[str]) -> None:
+    """Workload (b) under each policy, with its per-call costs over LRU's from this run."""
+    for policy in policies:
+        t = lru if policy == "lru" else run(work, policy=policy)
+        print(row(f"radixserve, {policy}", t))
+        print(
+            f"    / lru: match {np.mean(t.match) / np.mean(lru.match):.2f}x, insert "
+            f"{np.mean(t.insert) / np.mean(lru.insert):.2f}x, evict "
+            f"{np.mean(t.evict) / np.mean(lru.evict):.2f}x per call, total "
+            f"{t.total / lru.total:.2f}x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="run a tenth of the requests")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default="", help="eviction policies to time on (b)")
     args = parser.parse_args()
     scale = 0.1 if args.quick else 1.0
     header = (
@@ -275,6 +295,8 @@ def main() -> None:
             ratios.append(f"evict {np.mean(ref.evict) / np.mean(ours.evict):.1f}x")
         ratios.append(f"total {ref.total / ours.total:.1f}x")
         print("  speed-up over naive: " + ", ".join(ratios))
+        if work.name == "b" and args.policies:
+            policy_rows(work, ours, [p for p in args.policies.split(",") if p])
         what, limit = TARGETS[work.name]
         value = _stats(getattr(ours, what), 1e6 if what == "match" else 1e3)[0]
         unit = "µs" if what == "match" else "ms"

@@ -58,9 +58,9 @@ EXPECTED = {
     # probationary (hit_count < 2) by LRU: b, d, e; then the protected a, c by LRU
     "slru": ["b", "d", "e", "a", "c"],
     # The window holds 6.4 of the 64 tokens, so a and b were demoted to probation as d and e
-    # came in; a's hits protect it. Probation: b. Protected by log2(1 + hits): e=1, c=1.58,
-    # a=2. The window (d) goes last.
-    "wgd": ["b", "e", "c", "a", "d"],
+    # came in; a's hits protect it. Probation: b (H = 0). Then H = log2(2 + hits) for the
+    # window and the hit nodes: d=1, e=1.58, c=2, a=2.32.
+    "wgd": ["b", "d", "e", "c", "a"],
 }
 
 

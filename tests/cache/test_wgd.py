@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from cache_helpers import ManualClock, cache_sequence, tokens
 
@@ -54,7 +56,7 @@ def test_lru_loses_the_residents_to_the_same_scan():
     assert not any(cached(cache, i) for i in range(10))
 
 
-def test_the_newest_leaves_sit_in_the_window_and_leave_last():
+def test_the_newest_leaves_sit_in_the_window_and_outlast_probation():
     cache, clock = make(pool=100, window=0.3)  # 30 tokens: the last three 8-token prompts
     for i in range(8):
         admit(cache, clock, i)
@@ -133,33 +135,30 @@ def test_greedy_dual_ages_out_hits_that_are_old():
     for i in range(6):
         admit(cache, clock, i)
     clock.now = 10
-    for i, hits in ((0, 3), (1, 3), (2, 1)):  # H = log2(1 + hits): 2, 2, 1
+    for i, hits in ((0, 3), (1, 3), (2, 1)):  # H = log2(2 + hits): 2.32, 2.32, 1.58
         for _ in range(hits):
             cache.match_prefix(tokens(seq(i)))
-    cache.evict(3 * 8)  # probation (3, 4, 5) first
+    cache.evict(3 * 8)  # probation (3, 4, 5; H = 0) first, and L stays 0
+    assert [cached(cache, i) for i in range(6)] == [True] * 3 + [False] * 3
     clock.now = 11
-    cache.evict(8)  # seq 2 (H=1): L rises to 1
+    cache.evict(8)  # seq 2 (H = 1.58): L rises to 1.58
+    assert cache.policy.level_at(11.5) == pytest.approx(math.log2(3))
     clock.now = 12
-    cache.match_prefix(tokens(seq(3)))  # miss: seq 3 is gone; re-cache it and hit it once
-    cache_sequence(cache, seq(3))
+    cache_sequence(cache, seq(3))  # back after a ghost: protected; then one hit
     cache.match_prefix(tokens(seq(3)))
     (fresh,) = _leaves(cache, [3])
-    assert cache.policy.key(fresh)[1] == pytest.approx(1 + 1), "H = L + log2(2)"
-    clock.now = 13
-    cache.evict(8)  # seq 0 or 1 (H=2, older) before seq 3 (H=2, newer); L rises to 2
-    clock.now = 14
-    cache.match_prefix(tokens(seq(3)))  # touched after the rise: H = 2 + log2(3)
-    cache.evict(8)
-    assert cached(cache, 3), "one recent hit now outranks three old ones"
-    assert sum(cached(cache, i) for i in (0, 1)) == 0
+    assert cache.policy.key(fresh)[0] == pytest.approx(2 * math.log2(3)), "H = L + log2(3)"
+    cache.evict(2 * 8)
+    assert cached(cache, 3), "one recent hit outranks three old ones once L has risen"
+    assert not cached(cache, 0) and not cached(cache, 1)
     cache.check_invariants()
 
 
 def test_level_at_counts_only_evictions_strictly_before():
     policy = WindowedGreedyDualPolicy()
-    policy.on_evict(_Bare(), (1, 3.0, 0.0), now=5.0)
-    policy.on_evict(_Bare(), (1, 4.0, 0.0), now=5.0)
-    policy.on_evict(_Bare(), (1, 2.0, 0.0), now=6.0)  # lower than L: no change
+    policy.on_evict(_Bare(), (3.0, 1, 0.0), now=5.0)
+    policy.on_evict(_Bare(), (4.0, 1, 0.0), now=5.0)
+    policy.on_evict(_Bare(), (2.0, 1, 0.0), now=6.0)  # lower than L: no change
     assert (policy.level_at(5.0), policy.level_at(5.5), policy.level_at(7.0)) == (0.0, 4.0, 4.0)
 
 

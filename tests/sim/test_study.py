@@ -64,7 +64,8 @@ def test_report_has_a_summary_a_table_and_a_png_per_workload(rows, tmp_path):
         table = text.split(f"### {w}\n", 1)[1].split("![", 1)[0]
         body = [line for line in table.splitlines() if line.startswith("| ") and "%" not in line]
         assert len(body) == len(SIZES)
-        assert all(len(line.split("|")) == len(POLICIES) + 5 for line in body)
+        assert all(len(line.split("|")) == len(POLICIES) + 6 for line in body)
+        assert "wgd: gap closed" in table
     data = json.loads((tmp_path / "eviction" / "study.json").read_text())
     assert len(data) == len(rows) and data[0]["workload"] == WORKLOADS[0]
     write_report(tmp_path / "eviction", rows, markdown=md, scale=SCALE)

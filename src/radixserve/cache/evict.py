@@ -150,48 +150,53 @@ def prefix_identity(node: TreeNode, page_bytes: int) -> int:
 
 
 _WINDOW, _PROBATION, _PROTECTED = "window", "probation", "protected"
-_RANK = {_PROBATION: 0, _PROTECTED: 1, _WINDOW: 2}
 
 
 class _State:
     """What WindowedGreedyDualPolicy knows of one node."""
 
-    __slots__ = ("segment", "size", "stamp")
+    __slots__ = ("identity", "key_bytes", "level", "segment", "size", "stamp")
 
-    def __init__(self, segment: str, size: int = 0, stamp: int = 0) -> None:
+    def __init__(self, segment: str, identity: int, key_bytes: int, size: int = 0) -> None:
         self.segment = segment
         self.size = size
-        self.stamp = stamp
+        self.stamp = 0
+        self.level = 0.0
+        self.identity = identity  # prefix_identity while the edge is key_bytes long
+        self.key_bytes = key_bytes
 
 
 class WindowedGreedyDualPolicy:
-    """A recency window, a scan-resistant probation and a frequency-aged protected segment.
+    """GreedyDual priorities over a recency window, a scan-resistant probation and hit nodes.
 
-    Every evictable leaf is in one of three segments, and eviction empties them in this order:
+    Every evictable leaf has a GreedyDual priority H (Young 1994; Cao and Irani 1997; GDSF,
+    Cherkasova 1998), and the lowest H leaves first. L, the inflation level, is the H of the
+    last leaf evicted, as it stood when a node was last used; its rise ages out nodes that
+    were valuable once. A leaf's H depends on its segment:
 
-    1. **probation**: nodes that left the window without a hit. The most recently demoted goes
-       first, so residents that got in earlier are kept and a stream of one-off or cyclic
-       requests longer than the cache cannot flush them. This is the admission rule of LIRS
-       (Jiang and Zhang, SIGMETRICS 2002) and W-TinyLFU (Einziger et al., ACM ToS 2017): a
-       newcomer with no history does not displace an incumbent that has none either.
-    2. **protected**: nodes that were hit, or that were cached again soon after being evicted
-       (a ghost hit, as in ARC's B1 list: Megiddo and Modha, FAST 2003). They leave in
-       GreedyDual order (Young 1994; Cao and Irani 1997; GDSF, Cherkasova 1998): priority
-       H = L + log2(1 + hit_count), where L is the priority of the last protected node evicted
-       when this node was last used. Frequent nodes stay longer, and L's rise ages out nodes
-       that were frequent once.
-    3. **window**: the newest leaves, up to `window` x the pool's tokens, by LRU. Whatever a
-       request creates stays until its immediate follow-ups (the next turn, a child thought)
-       have had a chance to reuse it.
+    - **window**: the newest leaves, up to `window` x the pool's tokens. H = L + 1, as for a
+      node worth one use, so what a request creates stays until its immediate follow-ups (the
+      next turn, a child thought) have had a chance to reuse it.
+    - **protected**: nodes that were hit, or that were cached again soon after being evicted
+      (a ghost hit, as in ARC's B1 list: Megiddo and Modha, FAST 2003).
+      H = L + log2(2 + hit_count): frequent nodes stay longer.
+    - **probation**: nodes that left the window without a hit. H = L as it stood when they left;
+      at equal H the most recently demoted goes first. While L stands still, residents that
+      got in earlier are kept, so a stream of one-off or cyclic requests longer than the cache
+      cannot flush them: the admission rule of LIRS (Jiang and Zhang, SIGMETRICS 2002) and
+      W-TinyLFU (Einziger et al., ACM ToS 2017), where a newcomer with no history does not
+      displace an incumbent that has none either. Once L rises, old probation nodes go first.
 
     Ghosts are the prefix identities (`prefix_identity`) of never-hit nodes that were evicted,
     kept up to `ghost` x the pool's tokens, oldest dropped first.
 
-    When to use it: a small cache (a few percent of the working set) under mixed traffic, where
-    LRU flushes shared prefixes with one-off tails or cycles through more sessions than fit.
-    With a cache that holds the working set, it behaves like LRU. It is online: it reads only
-    the tree and the past. Costs: O(log n) per key as for LRU, plus one walk up the node's path
-    per insertion and per eviction of a never-hit node (hashing its prefix).
+    When to use it: a cache of a few percent of the working set under mixed traffic, where LRU
+    flushes shared prefixes with one-off tails or cycles through more sessions than fit. With a
+    cache near the working set it does about what LRU does. It is online: it reads only the
+    tree and the past. Costs: O(log n) per key as for LRU, a binary search over L's history
+    per key of a used node, and one walk up the node's path per insertion and per eviction of
+    a never-hit node (hashing its prefix). L's history grows by one entry per eviction that
+    raises L.
     """
 
     name = "wgd"
@@ -233,25 +238,25 @@ class WindowedGreedyDualPolicy:
             return _PROTECTED
         return _PROBATION if state is None else state.segment
 
-    def key(self, node: TreeNode) -> tuple[int, float, float]:
-        segment = self.segment(node)
-        if segment == _PROTECTED:
+    def key(self, node: TreeNode) -> tuple[float, int, float]:
+        if self.segment(node) != _PROBATION:
             t = node.last_access_time
-            return (1, self.level_at(t) + math.log2(1 + node.hit_count), t)
-        if segment == _WINDOW:
-            return (2, node.last_access_time, 0.0)
-        # Probation: newest demotion first. An upper half of a split that no hit ever reached
-        # has no state and counts as the oldest.
+            return (self.level_at(t) + math.log2(2 + node.hit_count), 1, t)
+        # Probation: H = L when demoted; at equal H the newest demotion goes first. An upper
+        # half of a split that no hit reached has no state: L at its last use, and oldest.
         state = node.eviction_state
-        return (0, -(state.stamp if state is not None else 0), 0.0)
+        if state is None:
+            return (self.level_at(node.last_access_time), 0, 0.0)
+        return (state.level, 0, -float(state.stamp))
 
     def on_insert(self, node: TreeNode) -> None:
-        size = self._ghosts.pop(prefix_identity(node, self._page_bytes), None)
+        identity = prefix_identity(node, self._page_bytes)
+        size = self._ghosts.pop(identity, None)
         if size is not None:
             self._ghost_tokens -= size
-            node.eviction_state = _State(_PROTECTED)
+            node.eviction_state = _State(_PROTECTED, identity, len(node.key))
             return
-        node.eviction_state = _State(_WINDOW, len(node))
+        node.eviction_state = _State(_WINDOW, identity, len(node.key), len(node))
         self._window.append(node)
         self._window_tokens += len(node)
         while self._window_tokens > self._window_limit and self._window:
@@ -262,6 +267,7 @@ class WindowedGreedyDualPolicy:
             self._window_tokens -= state.size
             self._demotions += 1
             state.segment, state.stamp = _PROBATION, self._demotions
+            state.level = self._levels[-1]
             if oldest is not node and oldest.heap_entry is not None and not oldest.hit_count:
                 self.cache.refresh_eviction_key(oldest)
 
@@ -270,17 +276,21 @@ class WindowedGreedyDualPolicy:
         if state is not None and state.segment == _WINDOW:
             self._window_tokens -= state.size
             state.segment = _PROBATION
-        if key[0] == 1:
-            if key[1] > self._levels[-1]:
-                if self._level_times[-1] == now:
-                    self._levels[-1] = key[1]
-                else:
-                    self._level_times.append(now)
-                    self._levels.append(key[1])
+        priority, rank, _ = key
+        if priority > self._levels[-1]:
+            if self._level_times[-1] == now:
+                self._levels[-1] = priority
+            else:
+                self._level_times.append(now)
+                self._levels.append(priority)
+        if rank == 1:
             return
         if not self._ghost_limit:
             return
-        identity = prefix_identity(node, self._page_bytes)
+        if state is not None and state.key_bytes == len(node.key):
+            identity = state.identity
+        else:  # the upper half of a split, or a lower half that starts further down now
+            identity = prefix_identity(node, self._page_bytes)
         self._ghost_tokens += len(node) - self._ghosts.pop(identity, 0)
         self._ghosts[identity] = len(node)
         while self._ghost_tokens > self._ghost_limit:

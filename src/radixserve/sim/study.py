@@ -249,23 +249,31 @@ def mean_gap_closed(summaries: Sequence[PolicySummary]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def _hit_table(rows: Sequence[StudyRow], workload: str) -> list[str]:
+def _hit_table(rows: Sequence[StudyRow], workload: str, policy: str = "wgd") -> list[str]:
     mine = [r for r in rows if r.workload == workload]
     policies = list(dict.fromkeys(r.policy for r in mine))
     sizes = sorted({r.size_percent for r in mine})
     cell = {(r.policy, r.size_percent): r for r in mine}
+    judged = all(p in policies for p in (policy, "lru", "belady"))
+    extra = f" {policy}: gap closed |" if judged else ""
     lines = [
-        "| cache % | KV tokens | " + " | ".join(policies) + " | infinite |",
-        "|---|---|" + "---|" * (len(policies) + 1),
+        "| cache % | KV tokens | " + " | ".join(policies) + " | infinite |" + extra,
+        "|---|---|" + "---|" * (len(policies) + 1 + judged),
     ]
     for s in sizes:
         any_row = next(cell[(p, s)] for p in policies if (p, s) in cell)
         values = [f"{100 * cell[(p, s)].hit_rate:.1f}" if (p, s) in cell else "" for p in policies]
-        lines.append(
+        line = (
             f"| {s:g} | {any_row.kv_tokens:,} | "
             + " | ".join(values)
             + f" | {100 * any_row.infinite_bound:.1f} |"
         )
+        if judged:
+            hit = {p: 100 * cell[(p, s)].hit_rate for p in (policy, "lru", "belady")}
+            gap = hit["belady"] - hit["lru"]
+            closed = (hit[policy] - hit["lru"]) / gap if gap >= 0.5 else None
+            line += f" {closed:.0%} |" if closed is not None else " |"
+        lines.append(line)
     return lines
 
 
@@ -353,7 +361,7 @@ def report_markdown(
             f"{first.requests:,} requests, {first.unique_tokens:,} unique tokens. Token hit "
             "rate, %:",
             "",
-            *_hit_table(rows, w),
+            *_hit_table(rows, w, policy),
             "",
             f"![{w}]({figures}/{w}.png)",
             "",
