@@ -41,6 +41,21 @@ def test_small_replays_finish_everything_with_invariants_checked(workload, sched
     assert result.makespan > 0 and result.throughput_tokens_per_s > 0
 
 
+@pytest.mark.parametrize("workload", sorted(SMALL))
+@pytest.mark.parametrize("eviction", ["wgd", "slru", "belady"])
+def test_stateful_policies_keep_the_invariants_under_pressure(workload, eviction):
+    trace = make_workload(workload, seed=0, **SMALL[workload])
+    config = ReplayConfig(
+        eviction_policy=eviction,
+        cache_fraction=5,
+        arrivals="burst",
+        max_running_requests=3,
+        check_invariants=True,
+    )
+    result = replay(trace, config)
+    assert result.failed == 0 and result.evicted_tokens > 0
+
+
 def test_replays_are_deterministic():
     trace = make_workload("multi-turn", seed=0, **SMALL["multi-turn"])
     config = ReplayConfig(schedule_policy="lpm", cache_fraction=5)

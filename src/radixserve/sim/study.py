@@ -249,6 +249,11 @@ def mean_gap_closed(summaries: Sequence[PolicySummary]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def _percent(fraction: float) -> str:
+    text = f"{fraction:.0%}"
+    return "0%" if text == "-0%" else text
+
+
 def _hit_table(rows: Sequence[StudyRow], workload: str, policy: str = "wgd") -> list[str]:
     mine = [r for r in rows if r.workload == workload]
     policies = list(dict.fromkeys(r.policy for r in mine))
@@ -272,7 +277,7 @@ def _hit_table(rows: Sequence[StudyRow], workload: str, policy: str = "wgd") -> 
             hit = {p: 100 * cell[(p, s)].hit_rate for p in (policy, "lru", "belady")}
             gap = hit["belady"] - hit["lru"]
             closed = (hit[policy] - hit["lru"]) / gap if gap >= 0.5 else None
-            line += f" {closed:.0%} |" if closed is not None else " |"
+            line += f" {_percent(closed)} |" if closed is not None else " |"
         lines.append(line)
     return lines
 
@@ -335,7 +340,7 @@ def report_markdown(
         "|---|---|---|---|",
     ]
     for s in summaries:
-        closed = "" if s.gap_closed is None else f"{100 * s.gap_closed:.0f}%"
+        closed = "" if s.gap_closed is None else _percent(s.gap_closed)
         lines.append(
             f"| {s.workload} | {s.gap_points:.1f} | {closed} | "
             f"{s.worst_vs_lru:+.1f} ({s.worst_size:g}) |"
