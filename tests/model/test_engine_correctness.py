@@ -53,6 +53,11 @@ SETTINGS = {
         "scheduler_options": {"init_new_token_ratio": 0.1, "min_new_token_ratio": 0.1},
     },
     "lpm-lfu": {"schedule_policy": "lpm", "eviction_policy": "lfu"},
+    "tiny-kv-wgd": {
+        "kv_cache_tokens": 96,
+        "eviction_policy": "wgd",
+        "scheduler_options": {"init_new_token_ratio": 0.1, "min_new_token_ratio": 0.1},
+    },
 }
 
 
@@ -73,7 +78,7 @@ def test_outputs_are_identical_across_engine_settings(llama_dir, reference, name
         results = engine.generate(PROMPTS, {"max_new_tokens": 24})
         assert [r.token_ids for r in results] == reference
         leak_free(engine)
-    if name == "tiny-kv":
+    if name.startswith("tiny-kv"):
         assert engine.scheduler.stats.retractions > 0
         assert engine.scheduler.stats.evicted_tokens > 0
 
