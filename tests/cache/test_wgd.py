@@ -162,6 +162,26 @@ def test_level_at_counts_only_evictions_strictly_before():
     assert (policy.level_at(5.0), policy.level_at(5.5), policy.level_at(7.0)) == (0.0, 4.0, 4.0)
 
 
+def test_the_level_history_stays_bounded_and_keys_survive_compaction():
+    cache, clock = make(pool=100, window=0.01)
+    policy = cache.policy
+    for i in range(5):
+        admit(cache, clock, i)
+    longest = 0
+    for k in range(3000):  # evictions elsewhere raising L, each at its own time
+        clock.now = 10.0 + k
+        if k % 400 == 0:
+            for i in range(5):  # the tree's nodes get used now and then
+                cache.match_prefix(tokens(seq(i)))
+            before = {node: policy.key(node) for node in cache._nodes()}
+        policy.on_evict(_Bare(), (float(k + 1), 1, 0.0), now=clock.now)
+        longest = max(longest, len(policy._levels))
+        assert {node: policy.key(node) for node in cache._nodes()} == before, "no key changed"
+    assert longest <= 1025, "cut back as it doubled past the node count"
+    assert policy.level_at(math.inf) == 3000.0
+    cache.check_invariants()
+
+
 def test_reset_starts_the_policy_afresh():
     cache, clock = make(pool=100, window=0.05)
     for i in range(20):

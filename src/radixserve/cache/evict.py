@@ -196,7 +196,7 @@ class WindowedGreedyDualPolicy:
     tree and the past. Costs: O(log n) per key as for LRU, a binary search over L's history
     per key of a used node, and one walk up the node's path per insertion and per eviction of
     a never-hit node (hashing its prefix). L's history grows by one entry per eviction that
-    raises L.
+    raises L, and is cut back to the oldest use still in the tree as it doubles.
     """
 
     name = "wgd"
@@ -226,10 +226,27 @@ class WindowedGreedyDualPolicy:
         # L as a step function of time: L(t) is the level after the evictions before t.
         self._level_times = [-math.inf]
         self._levels = [0.0]
+        self._compact_at = 1024
 
     def level_at(self, t: float) -> float:
         """L as it stood just before time `t`."""
         return self._levels[bisect.bisect_left(self._level_times, t) - 1]
+
+    def _compact_levels(self) -> None:
+        """Drop L's history from before the oldest `last_access_time` in the tree.
+
+        A key reads L only at a node's `last_access_time`, so no key, now or later, asks for an
+        earlier time; the level in force then becomes the history's first entry, and no key
+        changes. Runs when the history has doubled past the node count, so it costs O(1) per
+        eviction on average.
+        """
+        nodes = self.cache._nodes() if self.cache is not None else []
+        oldest = min((node.last_access_time for node in nodes), default=math.inf)
+        cut = bisect.bisect_left(self._level_times, oldest) - 1
+        if cut > 0:
+            self._levels = [self._levels[cut], *self._levels[cut + 1 :]]
+            self._level_times = [-math.inf, *self._level_times[cut + 1 :]]
+        self._compact_at = max(1024, 2 * len(self._levels), 2 * len(nodes))
 
     def segment(self, node: TreeNode) -> str:
         """The segment `node` is ranked in."""
@@ -283,6 +300,8 @@ class WindowedGreedyDualPolicy:
             else:
                 self._level_times.append(now)
                 self._levels.append(priority)
+                if len(self._levels) > self._compact_at:
+                    self._compact_levels()
         if rank == 1:
             return
         if not self._ghost_limit:
