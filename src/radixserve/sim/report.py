@@ -53,16 +53,17 @@ def write_json(path: str | Path, results: Sequence[ReplayResult], **extra) -> No
     Path(path).write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n")
 
 
-def plot_hit_rates(
+def plot_hit_rate_lines(
     path: str | Path,
-    results: Sequence[ReplayResult],
+    lines: Sequence[tuple[str, Sequence[float], Sequence[float]]],
     infinite_bound: float,
-    title: str = "token hit rate by cache size",
+    title: str,
+    highlight: str | None = None,
 ) -> None:
-    """Hit rate against cache size (% of unique tokens), one line per policy pair.
+    """Token hit rate (fractions) against cache size (% of unique tokens), one line per label.
 
-    The offline Belady lines, when present, are dashed; the infinite-cache bound is a
-    horizontal line.
+    A label starting with `belady` is dashed, `highlight` is drawn heavier, and the
+    infinite-cache bound is a dotted horizontal line. Writes a PNG to `path`.
     """
     import matplotlib
     import matplotlib.ticker
@@ -71,18 +72,14 @@ def plot_hit_rates(
     from matplotlib import pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series: dict[tuple[str, str], list[ReplayResult]] = {}
-    for r in results:
-        series.setdefault((r.eviction_policy, r.schedule_policy), []).append(r)
-    for (eviction, schedule), rows in series.items():
-        rows = sorted(rows, key=lambda r: r.cache_fraction)
-        style = "--" if eviction == "belady" else "-"
+    for label, sizes, hit_rates in lines:
         ax.plot(
-            [100 * r.cache_fraction for r in rows],
-            [100 * r.token_hit_rate for r in rows],
-            style,
+            list(sizes),
+            [100 * h for h in hit_rates],
+            "--" if label.startswith("belady") else "-",
             marker="o",
-            label=f"{eviction} / {schedule}",
+            linewidth=2.5 if label == highlight else 1.5,
+            label=label,
         )
     ax.axhline(100 * infinite_bound, color="black", linestyle=":", label="infinite cache")
     ax.set_xscale("log")
@@ -97,3 +94,30 @@ def plot_hit_rates(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_hit_rates(
+    path: str | Path,
+    results: Sequence[ReplayResult],
+    infinite_bound: float,
+    title: str = "token hit rate by cache size",
+) -> None:
+    """Hit rate against cache size (% of unique tokens), one line per policy pair.
+
+    The offline Belady lines, when present, are dashed; the infinite-cache bound is a
+    horizontal line.
+    """
+    series: dict[tuple[str, str], list[ReplayResult]] = {}
+    for r in results:
+        series.setdefault((r.eviction_policy, r.schedule_policy), []).append(r)
+    lines = []
+    for (eviction, schedule), rows in series.items():
+        rows = sorted(rows, key=lambda r: r.cache_fraction)
+        lines.append(
+            (
+                f"{eviction} / {schedule}",
+                [100 * r.cache_fraction for r in rows],
+                [r.token_hit_rate for r in rows],
+            )
+        )
+    plot_hit_rate_lines(path, lines, infinite_bound, title)

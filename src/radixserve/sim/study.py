@@ -27,6 +27,7 @@ from pathlib import Path
 from radixserve.errors import InvalidArgumentError
 from radixserve.sim.oracle import infinite_cache
 from radixserve.sim.replay import ReplayConfig, replay
+from radixserve.sim.report import plot_hit_rate_lines
 from radixserve.sim.traces import TraceRequest, read_mooncake, write_mooncake
 from radixserve.sim.workloads import make_workload, mooncake_conversation
 
@@ -157,10 +158,6 @@ def run_cell(workload: str, policy: str, size: float, scale: float = 1.0, seed: 
     )
 
 
-def _run_cell_args(args: tuple) -> StudyRow:
-    return run_cell(*args)
-
-
 def run_study(
     workloads: Sequence[str] = tuple(STUDY_WORKLOADS),
     policies: Sequence[str] = POLICIES,
@@ -186,7 +183,7 @@ def run_study(
         return rows
     # Cells of one workload stay together, so each worker builds a trace once.
     with ProcessPoolExecutor(jobs) as pool:
-        for row in pool.map(_run_cell_args, cells, chunksize=max(1, len(policies))):
+        for row in pool.map(run_cell, *zip(*cells, strict=True), chunksize=max(1, len(policies))):
             rows.append(row)
             if progress:
                 progress(row)
@@ -282,38 +279,14 @@ def _hit_table(rows: Sequence[StudyRow], workload: str, policy: str = "wgd") -> 
     return lines
 
 
-def _plot(path: Path, rows: Sequence[StudyRow], workload: str) -> None:
-    import matplotlib
-    import matplotlib.ticker
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+def _plot(path: Path, rows: Sequence[StudyRow], workload: str, policy: str) -> None:
     mine = [r for r in rows if r.workload == workload]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for policy in dict.fromkeys(r.policy for r in mine):
-        line = sorted((r for r in mine if r.policy == policy), key=lambda r: r.size_percent)
-        ax.plot(
-            [r.size_percent for r in line],
-            [100 * r.hit_rate for r in line],
-            "--" if policy == "belady" else "-",
-            marker="o",
-            linewidth=2.5 if policy == "wgd" else 1.5,
-            label=policy,
-        )
-    ax.axhline(100 * mine[0].infinite_bound, color="black", linestyle=":", label="infinite cache")
-    ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("KV cache size, % of unique tokens")
-    ax.set_ylabel("token hit rate, %")
-    ax.set_ylim(0, 100)
-    ax.set_title(f"{workload}: token hit rate by cache size")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    lines = []
+    for name in dict.fromkeys(r.policy for r in mine):
+        line = sorted((r for r in mine if r.policy == name), key=lambda r: r.size_percent)
+        lines.append((name, [r.size_percent for r in line], [r.hit_rate for r in line]))
+    title = f"{workload}: token hit rate by cache size"
+    plot_hit_rate_lines(path, lines, mine[0].infinite_bound, title, highlight=policy)
 
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
@@ -393,7 +366,7 @@ def write_report(
         json.dumps([asdict(r) for r in rows], indent=1, allow_nan=True) + "\n"
     )
     for w in dict.fromkeys(r.workload for r in rows):
-        _plot(out / f"{w}.png", rows, w)
+        _plot(out / f"{w}.png", rows, w, policy)
     md = Path(markdown) if markdown is not None else out.parent / f"{out.name}.md"
     body = report_markdown(rows, figures=out.name, policy=policy, scale=scale)
     block = f"{BEGIN}\n{body}\n{END}"

@@ -13,6 +13,7 @@ that answer is complete, as a client would.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -264,7 +265,7 @@ def mooncake_conversation(
     if not mean_turns >= 1:
         raise InvalidArgumentError(f"mean_turns must be >= 1, got {mean_turns!r}")
     rng = np.random.default_rng(seed)
-    next_block = iter(range(2**62))
+    next_block = itertools.count()
     apps = [
         [next(next_block) for _ in range(rng.integers(app_blocks[0], app_blocks[1] + 1))]
         for _ in range(num_apps)
