@@ -22,7 +22,7 @@ import torch
 from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
-from radixserve.errors import InvalidArgumentError
+from radixserve.errors import EngineError, InvalidArgumentError
 from radixserve.model.attention import AttentionMetadata, make_attention_backend
 from radixserve.model.kv import KVPool
 from radixserve.model.loader import load_model
@@ -49,7 +49,12 @@ class Usage:
 
 @dataclass
 class GenerateResult:
-    """One finished request: its text, its output token ids, why it ended, and usage."""
+    """One finished request: its text, its output token ids, why it ended, and usage.
+
+    `finish_reason` is `stop`, `length` or `abort`; an abort has an `error` message and an
+    `abort_cause` (`radixserve.sched.request.ABORT_CAUSES`): `error` means a model step
+    failed on this request's batch.
+    """
 
     rid: str
     text: str
@@ -57,6 +62,7 @@ class GenerateResult:
     finish_reason: str
     usage: Usage
     error: str | None = None
+    abort_cause: str | None = None
     logprobs: list[SampleOutput] | None = None
     meta: dict = field(default_factory=dict)
 
@@ -123,6 +129,7 @@ class Engine:
         )
         self.attention = make_attention_backend("torch", decode=config.decode_attention)
         self._live: dict[str, _Live] = {}
+        self.failed_steps = 0
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         log.info(
@@ -159,6 +166,41 @@ class Engine:
         extra_key=None,
     ) -> str:
         """Queue one request (text or token ids); returns its id. Bad input raises ValueError."""
+        ids, params = self.prepare_request(prompt, sampling_params)
+        return self.add_prepared(ids, params, rid, priority, extra_key)
+
+    def add_prepared(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        priority: int = 0,
+        extra_key=None,
+    ) -> str:
+        """Queue what `prepare_request` returned, without checking it again; returns the id."""
+        rid = rid if rid is not None else f"req-{next(self._ids)}"
+        if rid in self._live:
+            raise InvalidArgumentError(f"request id {rid!r} is already running")
+        req = Req(
+            rid,
+            np.asarray(ids, dtype=np.int32),
+            params,
+            priority=priority,
+            extra_key=extra_key,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+        )
+        state = SamplingState.create(
+            params, req.input_ids, self.device, int(self._seeds.integers(2**62))
+        )
+        self._live[rid] = _Live(req, state, IncrementalDetokenizer(self.tokenizer, params.stop))
+        self.scheduler.add_request(req)
+        return rid
+
+    def prepare_request(
+        self, prompt: str | Sequence[int], sampling_params: dict | SamplingParams | None = None
+    ) -> tuple[list[int], SamplingParams]:
+        """The token ids and sampling params `add_request` would queue; bad input raises
+        ValueError (`InvalidArgumentError` naming the field). Changes nothing."""
         params = SamplingParams.from_dict(sampling_params)
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
@@ -178,67 +220,108 @@ class Engine:
                 f"the context length {self.max_context}",
                 field="prompt" if len(ids) >= self.max_context else "max_new_tokens",
             )
-        rid = rid if rid is not None else f"req-{next(self._ids)}"
-        if rid in self._live:
-            raise InvalidArgumentError(f"request id {rid!r} is already running")
-        req = Req(
-            rid,
-            np.asarray(ids, dtype=np.int32),
-            params,
-            priority=priority,
-            extra_key=extra_key,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-        )
-        state = SamplingState.create(
-            params, req.input_ids, self.device, int(self._seeds.integers(2**62))
-        )
-        self._live[rid] = _Live(req, state, IncrementalDetokenizer(self.tokenizer, params.stop))
-        self.scheduler.add_request(req)
-        return rid
+        return ids, params
 
-    def abort(self, rid: str) -> bool:
-        """Abort a request; its slots are freed. False if it is not running."""
-        return self.scheduler.abort(rid, "aborted by the client")
+    def abort(
+        self, rid: str, message: str = "aborted by the client", cause: str = "client"
+    ) -> bool:
+        """Abort a request; its slots are freed and its result says `cause`.
+
+        The final chunk comes out of the next `step()`. False if it is not running.
+        """
+        return self.scheduler.abort(rid, message, cause)
+
+    def request_ids(self) -> list[str]:
+        """The ids of every request queued or running."""
+        return self.scheduler.request_ids()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """True while a request is queued or running, or an ended one awaits its final chunk."""
+        return self.scheduler.has_work() or self.scheduler.has_finished()
 
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[StreamChunk]:
-        """One scheduler step and model forward; what each affected request produced."""
+        """One scheduler step and model forward; what each affected request produced.
+
+        If the forward, the sampler or the bookkeeping after them fails, only the requests of
+        that batch end, as `abort` with cause `error` and the exception's class and message;
+        every other request goes on, and no slot leaks. If the scheduler itself fails, the
+        exception propagates and `recover()` is the way back.
+        """
         chunks: dict[str, StreamChunk] = {}
         batch = self.scheduler.step()
         if batch is not None:
-            tokens = self._forward(batch)
-            self.scheduler.process_batch_result(batch, tokens)
-            for entry in batch.entries:
-                if entry.sample:
-                    self._emit(entry.req, chunks)
+            try:
+                tokens = self._forward(batch)
+                self.scheduler.process_batch_result(batch, tokens)
+                for entry in batch.entries:
+                    if entry.sample:
+                        self._emit(entry.req, chunks)
+            except Exception as exc:
+                self._fail([e.req.rid for e in batch.entries], exc, chunks)
         for req in self.scheduler.pop_finished():
             self._finish(req, chunks)
         return list(chunks.values())
+
+    def recover(self, exc: BaseException) -> list[StreamChunk]:
+        """After `step()` raised: end every request as `abort` (cause `error`) and check state.
+
+        Returns the final chunks. Raises `EngineError` when the scheduler or the cache is left
+        inconsistent, since the engine cannot serve on from there.
+        """
+        chunks: dict[str, StreamChunk] = {}
+        self._fail(self.scheduler.request_ids(), exc, chunks)
+        for req in self.scheduler.pop_finished():
+            self._finish(req, chunks)
+        lost = [live.req for live in self._live.values() if live.req.rid not in chunks]
+        for req in lost:  # the scheduler no longer knows them: end them here
+            req.finish_reason = FinishReason(
+                "abort", message=f"the engine lost this request ({_describe(exc)})", cause="error"
+            )
+            self._finish(req, chunks)
+        return list(chunks.values())
+
+    def _fail(self, rids: list[str], exc: BaseException, chunks: dict[str, StreamChunk]) -> None:
+        self.failed_steps += 1
+        log.error(
+            "engine step failed on %d request(s): %s", len(rids), _describe(exc), exc_info=exc
+        )
+        message = f"the engine failed on this request's batch ({_describe(exc)})"
+        for rid in rids:
+            self.scheduler.abort(rid, message, cause="error")
+        try:
+            self.scheduler.check_invariants()
+        except Exception as broken:
+            raise EngineError(
+                f"engine state is inconsistent after a failed step: {broken}"
+            ) from exc
 
     def _emit(self, req: Req, chunks: dict[str, StreamChunk]) -> None:
         live = self._live.get(req.rid)
         if live is None:
             return
+        self._push_new_tokens(req, live, chunks)
+        if live.detok.stopped is not None and not req.finished:
+            self.scheduler.finish(req.rid, FinishReason("stop", matched=live.detok.stopped))
+
+    def _push_new_tokens(self, req: Req, live: _Live, chunks: dict[str, StreamChunk]) -> None:
         new_ids = req.output_ids[live.seen :]
+        chunk = chunks.setdefault(req.rid, StreamChunk(req.rid, "", []))
+        if not new_ids:
+            return
         live.seen = len(req.output_ids)
         for token in new_ids:
             live.sampling.observe(token)
-        text = live.detok.push(new_ids)
-        chunk = chunks.setdefault(req.rid, StreamChunk(req.rid, "", []))
-        chunk.text += text
+        chunk.text += live.detok.push(new_ids)
         chunk.token_ids.extend(new_ids)
-        if live.detok.stopped is not None and not req.finished:
-            self.scheduler.finish(req.rid, FinishReason("stop", matched=live.detok.stopped))
 
     def _finish(self, req: Req, chunks: dict[str, StreamChunk]) -> None:
         live = self._live.pop(req.rid, None)
         if live is None:
             return
-        chunk = chunks.setdefault(req.rid, StreamChunk(req.rid, "", []))
+        self._push_new_tokens(req, live, chunks)
+        chunk = chunks[req.rid]
         chunk.text += live.detok.flush()
         reason = req.finish_reason
         chunk.finished = True
@@ -249,6 +332,7 @@ class Engine:
             finish_reason=reason.kind,
             usage=Usage(len(req.input_ids), len(req.output_ids), req.cached_tokens or 0),
             error=reason.message if reason.kind == "abort" else None,
+            abort_cause=reason.cause,
             logprobs=live.logprobs if req.sampling.logprobs is not None else None,
             meta={
                 "matched_stop": reason.matched,
@@ -334,10 +418,15 @@ class Engine:
         wanted = set(rids)
         results: dict[str, GenerateResult] = {}
         while wanted - results.keys():
+            self._check_not_lost(wanted - results.keys())
             for chunk in self.step():
                 if chunk.finished and chunk.rid in wanted:
                     results[chunk.rid] = chunk.result
         return [results[r] for r in rids]
+
+    def _check_not_lost(self, rids) -> None:
+        if not self.has_work():
+            raise EngineError(f"request(s) {sorted(rids)} were lost: the engine has no work left")
 
     def stream(
         self, prompt: str | Sequence[int], sampling_params: dict | SamplingParams | None = None
@@ -346,6 +435,7 @@ class Engine:
         rid = self.add_request(prompt, sampling_params)
         try:
             while True:
+                self._check_not_lost([rid])
                 for chunk in self.step():
                     if chunk.rid != rid:
                         continue
@@ -369,6 +459,10 @@ class Engine:
     def check_invariants(self) -> None:
         """The scheduler's and the cache's invariants (slot accounting included)."""
         self.scheduler.check_invariants()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _as_prompt_list(prompts) -> list:

@@ -26,3 +26,7 @@ class LockError(RadixServeError, ValueError):
 
 class CacheInvariantError(RadixServeError, RuntimeError):
     """The cache's internal bookkeeping is inconsistent: this is a bug, never a user error."""
+
+
+class EngineError(RadixServeError, RuntimeError):
+    """The engine cannot go on: a request was lost, or a failed step left its state broken."""

@@ -109,13 +109,28 @@ class ReqState(enum.Enum):
     FINISHED = "finished"
 
 
+ABORT_CAUSES = ("client", "timeout", "shutdown", "error", "memory", "too_long")
+"""Why an `abort` happened: the client went away or asked; a server-side timeout; the server
+is shutting down; a model step failed; the KV pool ran out; the request can never fit."""
+
+
 @dataclass(frozen=True, slots=True)
 class FinishReason:
-    """Why a request ended: `stop` (a stop token or string), `length`, or `abort` (with why)."""
+    """Why a request ended: `stop` (a stop token or string), `length`, or `abort`.
+
+    An `abort` carries a `message` for people and a `cause` from `ABORT_CAUSES` for code.
+    """
 
     kind: str
     matched: int | str | None = None
     message: str | None = None
+    cause: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "abort" and self.cause not in ABORT_CAUSES:
+            raise InvalidArgumentError(
+                f"an abort needs a cause from {ABORT_CAUSES}, got {self.cause!r}"
+            )
 
 
 @dataclass(eq=False)

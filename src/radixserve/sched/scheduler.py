@@ -201,6 +201,7 @@ class Scheduler:
                 req,
                 FinishReason(
                     "abort",
+                    cause="too_long",
                     message=(
                         f"request needs {need} KV slots (prompt {len(req.input_ids)} + "
                         f"max_new_tokens {req.sampling.max_new_tokens}) but the KV pool holds "
@@ -211,8 +212,13 @@ class Scheduler:
             return
         self.waiting.append(req)
 
-    def abort(self, rid: str, message: str = "aborted") -> bool:
-        """End request `rid` as `abort`, releasing everything it holds; False if unknown."""
+    def abort(self, rid: str, message: str = "aborted", cause: str = "client") -> bool:
+        """End request `rid` as `abort` for `cause`, releasing everything it holds.
+
+        Works in any state, including between `step()` and `process_batch_result()` for a
+        request in the batch in flight: only KV computed by earlier steps enters the tree.
+        False if `rid` is unknown or already ended.
+        """
         req = self._rids.get(rid)
         if req is None or req.finished:
             return False
@@ -220,8 +226,12 @@ class Scheduler:
             self.waiting.remove(req)
         else:
             self._release(req, finished=True)
-        self._end(req, FinishReason("abort", message=message))
+        self._end(req, FinishReason("abort", message=message, cause=cause))
         return True
+
+    def request_ids(self) -> list[str]:
+        """Every request the scheduler holds, in any state short of finished."""
+        return list(self._rids)
 
     def finish(self, rid: str, reason: FinishReason) -> bool:
         """End a running request early with `reason` (e.g. a stop string the engine matched)."""
@@ -239,6 +249,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
+
+    def has_finished(self) -> bool:
+        """True when requests ended that `pop_finished()` has not returned yet."""
+        return bool(self._finished)
 
     # -- slots ----------------------------------------------------------------------------
 
@@ -494,7 +508,7 @@ class Scheduler:
             elif len(self.running) == 1:
                 (req,) = self.running
                 self._release(req, finished=True)
-                self._end(req, FinishReason("abort", message="out of KV memory"))
+                self._end(req, FinishReason("abort", message="out of KV memory", cause="memory"))
                 return None
             else:
                 victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
