@@ -168,21 +168,34 @@ def cmd_study(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until a signal (exit 0 after draining) or an engine failure (exit 1)."""
     import asyncio
     import signal
 
     import uvicorn
 
     class _GracefulServer(uvicorn.Server):
-        """Ctrl-C and SIGTERM stop accepting, let the app abort what runs, and exit 0
-        (uvicorn would re-raise the signal after shutting down)."""
+        """The first Ctrl-C or SIGTERM drains: new requests get 503, running ones get up to
+        --shutdown-timeout to finish before they are aborted, then the server exits 0. A second
+        signal exits at once."""
+
+        draining = False
 
         @contextlib.contextmanager
         def capture_signals(self):
             yield
 
         def request_exit(self, sig: int) -> None:
-            log.info("signal %d: shutting down", sig)
+            if self.draining:
+                log.warning("signal %d again: exiting now", sig)
+                self.force_exit = self.should_exit = True
+                return
+            log.info("signal %d: draining for up to %g s", sig, args.shutdown_timeout)
+            self.draining = True
+            asyncio.get_running_loop().create_task(self.drain_and_exit())
+
+        async def drain_and_exit(self) -> None:
+            await app.state.worker.drain(args.shutdown_timeout)
             self.should_exit = True
 
     from radixserve.engine import Engine
@@ -201,13 +214,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         device=args.device,
         threads=args.threads,
     )
+    server: _GracefulServer | None = None
+
+    def on_engine_failure(exc: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True  # read by uvicorn's main loop; safe from any thread
+
     app = create_app(
         engine,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
+        request_timeout=args.request_timeout,
+        watchdog=args.watchdog or None,
+        on_engine_failure=on_engine_failure,
     )
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+    )
     server = _GracefulServer(config)
 
     async def serve_and_announce() -> None:
@@ -225,8 +249,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         await serving
 
     asyncio.run(serve_and_announce())
+    failure = app.state.worker.failure
+    if failure is not None:
+        log.critical("radixserve stopped: the engine failed (%s)", type(failure).__name__)
+        return 1
     log.info("radixserve stopped")
     return 0
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return value
+
+
+def _non_negative_seconds(text: str) -> float:
+    value = _positive_seconds(text) if text.strip() not in ("0", "0.0") else 0.0
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,6 +340,24 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--dtype", default=None)
     sv.add_argument("--device", default="cpu")
     sv.add_argument("--threads", type=int, default=None)
+    sv.add_argument(
+        "--request-timeout",
+        type=_positive_seconds,
+        default=None,
+        help="abort a request still running this many seconds after it arrived (default: off)",
+    )
+    sv.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative_seconds,
+        default=10.0,
+        help="on SIGTERM, seconds running requests get to finish before they are aborted",
+    )
+    sv.add_argument(
+        "--watchdog",
+        type=_non_negative_seconds,
+        default=60.0,
+        help="/health turns 503 when the engine makes no progress for this long (0: off)",
+    )
     sv.set_defaults(func=cmd_serve)
     return parser
 

@@ -1,7 +1,8 @@
-"""Prometheus metrics of the server: requests, tokens, the radix cache, queues and latency.
+"""Prometheus metrics of the server: requests, tokens, the radix cache, queues, latency, health.
 
 Each server has its own registry (no global state). Counters and histograms are fed by the
-engine thread as chunks come out; cache sizes and queue lengths are read at scrape time.
+engine thread as chunks come out; sizes, queue lengths and engine health are read at scrape
+time from the snapshot the engine thread publishes, never from the engine itself.
 """
 
 from __future__ import annotations
@@ -9,50 +10,52 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from radixserve.engine import Engine, StreamChunk
+from radixserve.engine import StreamChunk
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class _EngineState:
-    """Reads the engine's live sizes and counters when Prometheus scrapes."""
+    """Reads the worker's latest `EngineSnapshot` when Prometheus scrapes."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, worker) -> None:
+        self.worker = worker
 
     def collect(self):
-        engine, stats = self.engine, self.engine.scheduler.stats
-        cache = engine.cache
-        for name, doc, value in (
+        worker = self.worker
+        snap = worker.snapshot
+        stats = snap.stats
+        healthy, details = worker.health()
+        gauges = (
             (
                 "radixserve_cache_evictable_tokens",
                 "Tokens in unlocked tree nodes.",
-                cache.evictable_size(),
+                snap.cache_evictable,
             ),
             (
                 "radixserve_cache_protected_tokens",
                 "Tokens in locked tree nodes.",
-                cache.protected_size(),
+                snap.cache_protected,
             ),
-            ("radixserve_kv_available_tokens", "Free KV slots.", engine.allocator.available_size()),
-            (
-                "radixserve_running_requests",
-                "Requests decoding or prefilling.",
-                len(engine.scheduler.running) + (engine.scheduler.prefilling is not None),
-            ),
-            (
-                "radixserve_queued_requests",
-                "Requests waiting to be admitted.",
-                len(engine.scheduler.waiting),
-            ),
+            ("radixserve_kv_available_tokens", "Free KV slots.", snap.kv_available),
+            ("radixserve_kv_pool_tokens", "KV slots in the pool.", snap.kv_pool),
+            ("radixserve_running_requests", "Requests decoding or prefilling.", snap.running),
+            ("radixserve_queued_requests", "Requests waiting to be admitted.", snap.waiting),
             (
                 "radixserve_cache_hit_rate",
                 "Cached / total prompt tokens at first admission.",
                 stats.cached_prompt_tokens / max(1, stats.prompt_tokens),
             ),
-        ):
-            yield GaugeMetricFamily(name, doc, value=value)
-        for name, doc, value in (
+            ("radixserve_engine_up", "1 while the engine thread serves and is healthy.", healthy),
+            (
+                "radixserve_engine_seconds_since_progress",
+                "Seconds since the engine loop last made progress.",
+                details["seconds_since_progress"],
+            ),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        counters = (
             ("radixserve_prompt_tokens", "Prompt tokens admitted.", stats.prompt_tokens),
             (
                 "radixserve_cached_prompt_tokens",
@@ -74,17 +77,27 @@ class _EngineState:
                 "Tokens evicted from the radix cache.",
                 stats.evicted_tokens,
             ),
-        ):
+            (
+                "radixserve_engine_failed_steps",
+                "Engine steps that failed (their batch's requests were aborted).",
+                snap.failed_steps,
+            ),
+            (
+                "radixserve_engine_failures",
+                "Engine thread deaths (the server exits after one).",
+                int(worker.failure is not None),
+            ),
+        )
+        for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineState(engine))
         self.requests = Counter(
             "radixserve_requests",
-            "Finished requests by finish reason.",
+            "Finished requests by finish reason (an abort by its cause).",
             ["finish_reason"],
             registry=self.registry,
         )
@@ -104,6 +117,10 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+    def watch(self, worker) -> None:
+        """Report `worker`'s engine snapshot and health at every scrape."""
+        self.registry.register(_EngineState(worker))
+
     def on_chunk(self, chunk: StreamChunk, stream, now: float) -> None:
         """Called on the engine thread for every chunk before it is handed to the client."""
         if chunk.token_ids:
@@ -113,7 +130,9 @@ class ServerMetrics:
             else:
                 self.itl.observe((now - stream.last_token_time) / len(chunk.token_ids))
         if chunk.finished and chunk.result is not None:
-            self.requests.labels(chunk.result.finish_reason).inc()
+            result = chunk.result
+            label = result.abort_cause if result.finish_reason == "abort" else result.finish_reason
+            self.requests.labels(label or "abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
