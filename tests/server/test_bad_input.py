@@ -61,6 +61,14 @@ CASES = [
     ),
     ("token id out of vocab", "/generate", {"input_ids": [1, 100000]}, 400, "prompt"),
     ("text and ids", "/generate", {"text": "t1", "input_ids": [1]}, 400, "text"),
+    ("lone surrogate", "/v1/completions", b'{"prompt": "t1 \\ud800"}', 400, "prompt"),
+    (
+        "lone surrogate in chat",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+        400,
+        "messages",
+    ),
     (
         "unknown sampling param",
         "/generate",

@@ -34,7 +34,15 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise InvalidArgumentError(f"text to encode must be a string, got {type(text)}")
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        except TypeError:  # the Rust side refuses strings that are not valid Unicode
+            if any("\ud800" <= ch <= "\udfff" for ch in text):
+                raise InvalidArgumentError(
+                    "the text holds a lone UTF-16 surrogate, which is not valid Unicode",
+                    field="prompt",
+                ) from None
+            raise
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos and bos is not None and ids[:1] != [bos]:
             ids = [bos, *ids]

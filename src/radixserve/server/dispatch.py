@@ -53,9 +53,9 @@ class Dispatcher:
         def render() -> list[int]:
             try:
                 text = tokenizer.apply_chat_template(messages)
+                return tokenizer.encode(text, add_special_tokens=False)
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(str(exc), field="messages") from None
-            return tokenizer.encode(text, add_special_tokens=False)
 
         return await self.off_thread(render)
 

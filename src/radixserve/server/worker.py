@@ -325,7 +325,10 @@ class EngineWorker:
             if stream is None:
                 continue
             if self.on_chunk is not None:
-                self.on_chunk(chunk, stream, now)
+                try:
+                    self.on_chunk(chunk, stream, now)
+                except Exception:  # a metrics bug must not take the engine down
+                    log.exception("on_chunk failed")
             if chunk.token_ids:
                 stream.last_token_time = now
             if chunk.finished:
