@@ -13,6 +13,12 @@
 (c) Decode throughput at batch 1, 8 and 32.
 (d) The roofline: the matmul rate and the weight-streaming bandwidth, measured here, against
     prefill of 1,024-token chunks and batch-1 decode.
+(e) Weight formats side by side (float32, bfloat16, int8, int4): prefill of 512 tokens, decode
+    at batch 1 over 128 tokens and at batch 32, the weight bytes each decode step streams and
+    the share of the streaming bound reached, each as a ratio to float32 in the same run.
+
+`--weight-format` picks the format of parts a, c and d (default auto); part b, the
+transformers comparison, always runs on the float32 weights.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 
 from radixserve.engine import Engine
 from radixserve.model.llama import hf_state_dict
+from radixserve.model.quant import weight_bytes_per_token
 from radixserve.sched.scheduler import ForwardMode
 
 GROUPS, PER_GROUP, SYSTEM, QUESTION, OUTPUT = 8, 16, 1024, 64, 32
@@ -119,7 +126,7 @@ def part_a(args, make_engine) -> None:
 def part_b(args, make_engine, on_run) -> None:
     import transformers
 
-    engine = make_engine(kv_cache_tokens=1024)
+    engine = make_engine(kv_cache_tokens=1024, weight_format="float32")
     cfg = engine.model.config
     hf_config = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size,
@@ -181,6 +188,19 @@ def part_c(args, make_engine) -> dict:
     return rates
 
 
+def streaming_bandwidth(dev: torch.device) -> float:
+    """Bytes per second of a float32 matrix-vector product over 512 MiB."""
+    w = torch.randn(8192, 16384, device=dev)
+    x = torch.randn(16384, device=dev)
+    w @ x
+    t0 = time.perf_counter()
+    for _ in range(5):
+        w @ x
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return 5 * w.numel() * w.element_size() / (time.perf_counter() - t0)
+
+
 def part_d(args, make_engine, decode_rates) -> None:
     threads = torch.get_num_threads()
     dtype = getattr(torch, args.dtype or "float32")
@@ -196,23 +216,16 @@ def part_d(args, make_engine, decode_rates) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
     flops = 2 * 2048**3 * reps / (time.perf_counter() - t0)
-    w = torch.randn(8192, 16384, dtype=dtype, device=dev)  # 512 MiB in float32
-    x = torch.randn(16384, dtype=dtype, device=dev)
-    w @ x
-    t0 = time.perf_counter()
-    for _ in range(5):
-        w @ x
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    bandwidth = 5 * w.numel() * w.element_size() / (time.perf_counter() - t0)
-    del a, b, w
+    del a, b
+    bandwidth = streaming_bandwidth(dev)
     engine = make_engine(kv_cache_tokens=4096, chunked_prefill_size=1024)
     cfg = engine.model.config
-    size = engine.model.model.embed_tokens.weight.element_size()
-    layer_params = sum(p.numel() for p in engine.model.model.layers.parameters())
-    head_params = engine.model.lm_head.weight_t.numel()
-    # Decode streams every weight but the embedding (a one-row lookup) once per step.
-    weight_bytes = (layer_params + head_params + engine.model.model.norm.weight.numel()) * size
+    layer_params = cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size * (
+        1 if cfg.tie_word_embeddings else 2
+    )
+    head_params = cfg.vocab_size * cfg.hidden_size
+    # Decode streams every linear weight (the embedding is a one-row lookup) once per step.
+    weight_bytes = weight_bytes_per_token(engine.model)
     # Prefill FLOPs per token of a 1,024-token chunk: the projections, plus QK^T and PV over
     # an average causal context of 512, plus the LM head once per chunk.
     chunk = 1024
@@ -227,7 +240,7 @@ def part_d(args, make_engine, decode_rates) -> None:
     prefill_bound = flops / flops_per_token
     decode_bound = bandwidth / weight_bytes
     print(
-        f"(d) roofline, {threads} threads, {args.dtype or 'float32'}: matmul "
+        f"(d) roofline, {threads} threads, weights {engine.weight_format}: {dtype} matmul "
         f"{flops / 1e9:.1f} GFLOP/s, weight streaming {bandwidth / 1e9:.1f} GB/s"
     )
     print(
@@ -246,9 +259,10 @@ def part_d(args, make_engine, decode_rates) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--parts", default="a,b,c,d")
+    parser.add_argument("--parts", default="a,b,c,d,e")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--weight-format", default="auto")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--groups", type=int, default=GROUPS)
     parser.add_argument("--hf-groups", type=int, default=GROUPS)
@@ -257,6 +271,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
 
     def make_engine(**options):
+        options.setdefault("weight_format", args.weight_format)
         return Engine(device=args.device, dtype=args.dtype, threads=args.threads, **options)
 
     on_run = part_a(args, make_engine) if "a" in parts else None
@@ -265,6 +280,42 @@ def main() -> None:
     rates = part_c(args, make_engine) if "c" in parts else None
     if "d" in parts:
         part_d(args, make_engine, rates)
+    if "e" in parts:
+        part_e(args, make_engine)
+
+
+def part_e(args, make_engine) -> None:
+    bandwidth = streaming_bandwidth(torch.device(args.device))
+    rng = np.random.default_rng(3)
+    rows = {}
+    for fmt in ("float32", "bfloat16", "int8", "int4"):
+        engine = make_engine(weight_format=fmt, dtype=None, kv_cache_tokens=8192)
+        engine.generate([rng.integers(100, 40_000, 512).tolist()], {"max_new_tokens": 1})
+        prefill = timed_run(
+            engine, [rng.integers(100, 40_000, 512).tolist()], {"max_new_tokens": 1}
+        )
+        one = timed_run(engine, [[100, 200, 300]], {"max_new_tokens": 129, "ignore_eos": True})
+        prompts = [rng.integers(100, 40_000, 16).tolist() for _ in range(32)]
+        many = timed_run(engine, prompts, {"max_new_tokens": 33, "ignore_eos": True})
+        streamed = weight_bytes_per_token(engine.model)
+        rows[fmt] = (
+            512 / prefill["prefill"],
+            128 / one["decode"],
+            32 * 32 / many["decode"],
+            streamed,
+        )
+        del engine
+    base = rows["float32"]
+    print(
+        f"(e) weight formats, {args.threads} threads, streaming bound at {bandwidth / 1e9:.1f} GB/s"
+    )
+    print("    format    prefill 512  decode b1       bound  decode b32   MiB/token")
+    for fmt, (pre, b1, b32, streamed) in rows.items():
+        share = b1 / (bandwidth / streamed)
+        print(
+            f"    {fmt:<9} {pre:7.0f} ({pre / base[0]:.2f}x) {b1:6.1f} ({b1 / base[1]:.2f}x) "
+            f"{share:5.0%}  {b32:6.0f} ({b32 / base[2]:.2f}x)  {streamed / 2**20:6.1f}"
+        )
 
 
 if __name__ == "__main__":

