@@ -188,3 +188,20 @@ def test_auto_picks_the_files_own_int4_on_the_embedded_model():
         qkv = engine.model.model.layers[0].self_attn.qkv_proj
         assert isinstance(qkv, Int4Linear)
         assert isinstance(engine.model.lm_head, Int8Linear)  # the file's Q8_0 embedding
+
+
+@torch.inference_mode()
+def test_the_dense_copy_for_large_batches_computes_the_same_layer():
+    weight = RNG.standard_normal((64, 128)).astype(np.float32)
+    groups = Int4Groups.quantize(weight)
+    packed_only = Int4Linear(groups, None, torch.bfloat16)
+    both = Int4Linear(groups, None, torch.bfloat16, dense_from_rows=4)
+    int8 = Int8Linear(weight, None, torch.bfloat16, dense_from_rows=4)
+    assert packed_only.dense_t is None and both.dense_t.dtype == torch.bfloat16
+    for rows in (1, 3, 4, 16):
+        x = torch.randn(rows, 128).bfloat16()
+        reference = x.double() @ torch.from_numpy(groups.dequantize()).double().T
+        assert relative_error(both(x), reference) < LAYER_TOLERANCE
+        assert relative_error(packed_only(x), reference) < LAYER_TOLERANCE
+        reference8 = x.double() @ torch.from_numpy(int8.dequantize()).double().T
+        assert relative_error(int8(x), reference8) < LAYER_TOLERANCE

@@ -91,10 +91,38 @@ def gguf_int4_groups(data: np.ndarray, kind: str) -> Int4Groups:
     return Int4Groups(q.reshape(rows, -1), d, zero, source=kind)
 
 
-class Int4Linear(nn.Module):
+class _PackedLinear(nn.Module):
+    """A packed linear that hands batches of `dense_from_rows` rows or more to a bfloat16
+    copy of its weight: the packed kernels cost time in proportion to the rows, a dense
+    matmul does not (`dense_rows_threshold`)."""
+
+    dense_t: torch.Tensor | None
+    dense_from_rows: int
+
+    def keep_dense(self, weight: np.ndarray, dtype: torch.dtype, from_rows: int | None) -> None:
+        """Keep `weight` [out, in] densely for batches of `from_rows` rows or more."""
+        dense = None if from_rows is None else torch.from_numpy(weight.T.copy()).to(dtype)
+        self.register_buffer("dense_t", dense)
+        self.dense_from_rows = from_rows or 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_t is not None and x.shape[0] >= self.dense_from_rows:
+            y = x @ self.dense_t
+        else:
+            y = self.packed_forward(x)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(_PackedLinear):
     """y = x @ w.T (+ bias) with w held as int4 groups; x is [T, in_features]."""
 
-    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        groups: Int4Groups,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        dense_from_rows: int | None = None,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = groups.q.shape
         q = torch.from_numpy(groups.q.astype(np.int32))
@@ -103,21 +131,28 @@ class Int4Linear(nn.Module):
         scales_and_zeros = np.ascontiguousarray(np.stack([groups.scale.T, groups.zero.T], axis=-1))
         self.register_buffer("scales_and_zeros", torch.from_numpy(scales_and_zeros).to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        dense = groups.dequantize() if dense_from_rows is not None else None
+        self.keep_dense(dense, dtype, dense_from_rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, INT4_GROUP, self.scales_and_zeros
         )
-        return y if self.bias is None else y + self.bias
 
     def nbytes(self) -> int:
         return _nbytes(self.packed, self.scales_and_zeros, self.bias)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_PackedLinear):
     """y = x @ w.T (+ bias) with w as int8 and one scale per output channel."""
 
-    def __init__(self, weight: np.ndarray, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        weight: np.ndarray,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        dense_from_rows: int | None = None,
+    ) -> None:
         super().__init__()
         w = weight.astype(np.float32)
         scale = np.abs(w).max(axis=1) / 127.0
@@ -127,10 +162,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.from_numpy(q))
         self.register_buffer("scales", torch.from_numpy(scale).to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        dense = self.dequantize() if dense_from_rows is not None else None
+        self.keep_dense(dense, dtype, dense_from_rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x, self.weight, self.scales)
-        return y if self.bias is None else y + self.bias
+    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.weight, self.scales)
 
     def dequantize(self) -> np.ndarray:
         return self.weight.numpy().astype(np.float32) * self.scales.float().numpy()[:, None]
@@ -150,11 +186,16 @@ def int4_fits(out_features: int, in_features: int) -> bool:
 
 @dataclass(frozen=True)
 class FormatChoice:
-    """What `resolve_weight_format` decided, and why."""
+    """What `resolve_weight_format` decided, and why.
+
+    `dense_from_rows`: int4/int8 layers also keep a bfloat16 copy and use it for batches of
+    this many rows or more (prefill, large decode batches); None keeps the packed weight only.
+    """
 
     weight_format: str
     dtype: torch.dtype
     reason: str
+    dense_from_rows: int | None = None
 
 
 def resolve_weight_format(
@@ -188,7 +229,7 @@ def resolve_weight_format(
                 f"weight_format={requested} computes in bfloat16; drop dtype={dtype}",
                 field="dtype",
             )
-        return FormatChoice(requested, torch.bfloat16, "asked for")
+        return FormatChoice(requested, torch.bfloat16, "asked for", dense_rows_threshold())
     if requested == "bfloat16":
         if dtype not in (None, "bfloat16"):
             raise InvalidArgumentError(
@@ -201,7 +242,8 @@ def resolve_weight_format(
         fmt = "int4" if tensor_kinds & {"Q4_0", "Q4_1"} else "int8"
         fast, figures = bf16_kernels_pay_off()
         if fast:
-            return FormatChoice(fmt, torch.bfloat16, f"exact for the file; {figures}")
+            reason = f"exact for the file; {figures}"
+            return FormatChoice(fmt, torch.bfloat16, reason, dense_rows_threshold())
         return FormatChoice("float32", torch.float32, f"bf16 kernels are slower here; {figures}")
     if tensor_kinds == {"bfloat16"}:
         return FormatChoice("bfloat16", torch.bfloat16, "the checkpoint is bfloat16")
@@ -218,20 +260,38 @@ def bf16_kernels_pay_off() -> tuple[bool, str]:
     int4 = Int4Linear(groups, None, torch.bfloat16)
     xb = x.bfloat16()
 
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(15):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     with torch.inference_mode():
-        dense = best(lambda: x @ w)
-        packed = best(lambda: int4(xb))
+        dense = _best_time(lambda: x @ w, 15)
+        packed = _best_time(lambda: int4(xb), 15)
     figures = f"1x{k}x{n} matmul: int4/bf16 {packed * 1e6:.0f} us, float32 {dense * 1e6:.0f} us"
     return packed < dense, figures
+
+
+@functools.cache
+def dense_rows_threshold() -> int | None:
+    """The fewest rows at which a bfloat16 matmul beats the int4 kernel on this CPU (measured
+    once per process on a 576 x 3072 weight); None if it never does up to 32 rows."""
+    k, n = 576, 3072
+    weight = torch.randn(n, k)
+    int4 = Int4Linear(Int4Groups.quantize(weight.numpy()), None, torch.bfloat16)
+    dense_t = weight.T.contiguous().bfloat16()
+    with torch.inference_mode():
+        for rows in (2, 4, 8, 16, 32):
+            x = torch.randn(rows, k).bfloat16()
+            dense = _best_time(functools.partial(torch.matmul, x, dense_t))
+            if dense < _best_time(functools.partial(int4.packed_forward, x)):
+                return rows
+    return None
+
+
+def _best_time(fn, reps: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def apply_weight_format(
@@ -252,7 +312,12 @@ def apply_weight_format(
             if not hasattr(module, "weight_t"):
                 continue
             new, kind = _quantized(
-                module, fmt, dtype, exact_int4.get(name), file_types.get(name, "float")
+                module,
+                fmt,
+                dtype,
+                exact_int4.get(name),
+                file_types.get(name, "float"),
+                choice.dense_from_rows,
             )
             _set_module(model, name, new)
             counts[kind] = counts.get(kind, 0) + 1
@@ -264,19 +329,21 @@ def apply_weight_format(
     return counts
 
 
-def _quantized(module, fmt: str, dtype: torch.dtype, exact: Int4Groups | None, file_type: str):
+def _quantized(module, fmt, dtype, exact: Int4Groups | None, file_type: str, dense_from_rows):
     bias = module.bias.detach() if module.bias is not None else None
     weight = module.weight_t.detach().float().T.contiguous().numpy()
     n, k = weight.shape
     if fmt == "int4" and file_type == "Q8_0":
         fmt = "int8"  # 8-bit numbers are not squeezed into 4 bits
     if fmt == "int8":
-        return Int8Linear(weight, bias, dtype), f"int8 (per channel, from {file_type})"
+        layer = Int8Linear(weight, bias, dtype, dense_from_rows)
+        return layer, f"int8 (per channel, from {file_type})"
     if not int4_fits(n, k):
         return module.to(dtype), "bfloat16 (shape unfit for int4)"
     if exact is not None:
-        return Int4Linear(exact, bias, dtype), f"int4 (exact from {exact.source})"
-    return Int4Linear(Int4Groups.quantize(weight), bias, dtype), f"int4 (from {file_type})"
+        return Int4Linear(exact, bias, dtype, dense_from_rows), f"int4 (exact from {exact.source})"
+    groups = Int4Groups.quantize(weight)
+    return Int4Linear(groups, bias, dtype, dense_from_rows), f"int4 (from {file_type})"
 
 
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
