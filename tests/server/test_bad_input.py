@@ -61,6 +61,13 @@ CASES = [
     ),
     ("token id out of vocab", "/generate", {"input_ids": [1, 100000]}, 400, "prompt"),
     ("text and ids", "/generate", {"text": "t1", "input_ids": [1]}, 400, "text"),
+    (
+        "nested 5,000 deep",
+        "/v1/completions",
+        b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        400,
+        None,
+    ),
     ("lone surrogate", "/v1/completions", b'{"prompt": "t1 \\ud800"}', 400, "prompt"),
     (
         "lone surrogate in chat",
@@ -94,6 +101,12 @@ def test_bad_input_matrix(live, name, path, body, status, param):
         assert error["param"] == param, error
     assert httpx.get(f"{live.url}/health").status_code == 200
     live.idle_check()
+
+
+def test_unknown_routes_and_methods_get_the_openai_error_shape(live):
+    for response in (httpx.get(f"{live.url}/nope"), httpx.get(f"{live.url}/v1/completions")):
+        assert response.status_code in (404, 405)
+        assert response.json()["error"]["message"]
 
 
 def test_body_over_the_limit_gets_413(live):

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.engine import Engine
 from radixserve.server.dispatch import Dispatcher, new_request_id
@@ -117,6 +118,14 @@ def create_app(
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
         return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        # Routing and body-parsing errors (404, 405, a body nested too deep to parse).
+        message = exc.detail if isinstance(exc.detail, str) else "invalid request"
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "the request body could not be parsed as JSON (nested too deep?)"
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception):
