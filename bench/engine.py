@@ -17,6 +17,10 @@
     at batch 1 over 128 tokens and at batch 32, the weight bytes each decode step streams and
     the share of the streaming bound reached, each as a ratio to float32 in the same run.
 
+(f) Mixed chunks on and off: 8 streams decode while a 2,048-token prompt arrives and is
+    prefilled in 256-token chunks; the streams' time per output token (p50, p99, max) and
+    their throughput.
+
 `--weight-format` picks the format of parts a, c and d (default auto); part b, the
 transformers comparison, always runs on the float32 weights.
 """
@@ -259,7 +263,7 @@ def part_d(args, make_engine, decode_rates) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--parts", default="a,b,c,d,e")
+    parser.add_argument("--parts", default="a,b,c,d,e,f")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--weight-format", default="auto")
@@ -283,6 +287,41 @@ def main() -> None:
         part_d(args, make_engine, rates)
     if "e" in parts:
         part_e(args, make_engine)
+    if "f" in parts:
+        part_f(args, make_engine)
+
+
+def part_f(args, make_engine) -> None:
+    print("(f) mixed chunks: 8 streams, a 2,048-token prompt arrives at step 10")
+    for mixed in (False, True):
+        engine = make_engine(enable_mixed_chunk=mixed, chunked_prefill_size=256)
+        rng = np.random.default_rng(4)
+        params = {"max_new_tokens": 120, "ignore_eos": True}
+        streams = {
+            engine.add_request(rng.integers(100, 40_000, 32).tolist(), params) for _ in range(8)
+        }
+        last: dict[str, float] = {}
+        gaps, out, steps = [], 0, 0
+        start = time.perf_counter()
+        while engine.has_work():
+            if steps == 10:
+                engine.add_request(rng.integers(100, 40_000, 2048).tolist(), {"max_new_tokens": 1})
+            chunks = engine.step()
+            steps += 1
+            now = time.perf_counter()
+            for c in chunks:
+                if c.rid in streams and c.token_ids:
+                    if c.rid in last:
+                        gaps.append((now - last[c.rid]) / len(c.token_ids))
+                    last[c.rid] = now
+                    out += len(c.token_ids)
+        wall = time.perf_counter() - start
+        ms = np.array(gaps) * 1000
+        print(
+            f"    mixed {'on ' if mixed else 'off'}: TPOT p50 {np.percentile(ms, 50):5.0f} ms, "
+            f"p99 {np.percentile(ms, 99):5.0f} ms, max {ms.max():5.0f} ms; "
+            f"streams {out / wall:6.1f} tok/s"
+        )
 
 
 def part_e(args, make_engine) -> None:

@@ -209,6 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         schedule_policy=args.schedule_policy,
         kv_cache_tokens=args.kv_cache_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
+        enable_mixed_chunk=args.enable_mixed_chunk,
         max_running_requests=args.max_running_requests,
         dtype=args.dtype,
         weight_format=args.weight_format,
@@ -338,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--schedule-policy", default="fcfs")
     sv.add_argument("--kv-cache-tokens", type=int, default=None)
     sv.add_argument("--chunked-prefill-size", type=int, default=2048)
+    sv.add_argument(
+        "--enable-mixed-chunk",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode running requests in the same forward as a prefill chunk (default on)",
+    )
     sv.add_argument("--dtype", default=None)
     sv.add_argument(
         "--weight-format",

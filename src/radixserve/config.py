@@ -23,6 +23,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     kv_cache_tokens: int | None = None
     chunked_prefill_size: int = 2048
+    enable_mixed_chunk: bool = True
     max_running_requests: int = 64
     dtype: str | None = None
     weight_format: str = "auto"

@@ -119,6 +119,7 @@ class Engine:
             schedule_policy=config.schedule_policy,
             max_running_requests=config.max_running_requests,
             chunked_prefill_size=max(config.chunked_prefill_size, page),
+            enable_mixed_chunk=config.enable_mixed_chunk,
             **config.scheduler_options,
         )
         self.scheduler = Scheduler(self.cache, sched_config)
@@ -133,6 +134,7 @@ class Engine:
         self.attention = make_attention_backend("torch", decode=config.decode_attention)
         self._live: dict[str, _Live] = {}
         self.failed_steps = 0
+        self._sampling_started = False
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         log.info(
@@ -250,12 +252,15 @@ class Engine:
 
         If the forward, the sampler or the bookkeeping after them fails, only the requests of
         that batch end, as `abort` with cause `error` and the exception's class and message;
-        every other request goes on, and no slot leaks. If the scheduler itself fails, the
-        exception propagates and `recover()` is the way back.
+        every other request goes on, and no slot leaks. When the model itself fails on a mixed
+        batch, its decode entries are spared: they changed nothing yet and decode again next
+        step, so a prompt that breaks the model does not take the running streams with it. If
+        the scheduler itself fails, the exception propagates and `recover()` is the way back.
         """
         chunks: dict[str, StreamChunk] = {}
         batch = self.scheduler.step()
         if batch is not None:
+            self._sampling_started = False
             try:
                 tokens = self._forward(batch)
                 self.scheduler.process_batch_result(batch, tokens)
@@ -263,7 +268,9 @@ class Engine:
                     if entry.sample:
                         self._emit(entry.req, chunks)
             except Exception as exc:
-                self._fail([e.req.rid for e in batch.entries], exc, chunks)
+                mixed = batch.mode is ForwardMode.EXTEND and not self._sampling_started
+                doomed = [e.req.rid for e in batch.entries if not (mixed and e.is_decode)]
+                self._fail(doomed, exc, chunks)
         for req in self.scheduler.pop_finished():
             self._finish(req, chunks)
         return list(chunks.values())
@@ -363,29 +370,32 @@ class Engine:
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64).tolist()
         sampled = [i for i, e in enumerate(entries) if e.sample]
         sample_rows = [starts[i] + lens[i] - 1 for i in sampled]
+        is_decode = batch.mode is ForwardMode.DECODE
+        decodes = len(entries) if is_decode else sum(e.is_decode for e in entries)
+        extends = len(entries) - decodes  # decode entries of a mixed batch come last
         meta = AttentionMetadata(
-            is_decode=batch.mode is ForwardMode.DECODE,
+            is_decode=is_decode,
             new_slots=torch.from_numpy(new_slots).to(dev),
             sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            starts=starts,
-            new_lens=lens,
-            prefix_lens=prefix,
-            context_slots=[],
+            starts=starts[:extends],
+            new_lens=lens[:extends],
+            prefix_lens=prefix[:extends],
+            context_slots=[
+                torch.from_numpy(np.concatenate([e.prefix_slots, e.new_slots])).to(dev)
+                for e in entries[:extends]
+            ],
+            decode_rows=0 if is_decode else decodes,
         )
-        if meta.is_decode:
-            width = max(prefix) + 1
-            table = np.zeros((len(entries), width), dtype=np.int64)
-            for row, e in enumerate(entries):
-                table[row, : prefix[row]] = e.prefix_slots
-                table[row, prefix[row]] = e.new_slots[0]
-            mask = np.arange(width)[None, :] <= np.asarray(prefix)[:, None]
+        if decodes:
+            rows, prefixes = entries[extends:], prefix[extends:]
+            width = max(prefixes) + 1
+            table = np.zeros((decodes, width), dtype=np.int64)
+            for row, e in enumerate(rows):
+                table[row, : prefixes[row]] = e.prefix_slots
+                table[row, prefixes[row]] = e.new_slots[0]
+            mask = np.arange(width)[None, :] <= np.asarray(prefixes)[:, None]
             meta.decode_slots = torch.from_numpy(table).to(dev)
             meta.decode_mask = torch.from_numpy(mask).to(dev)
-        else:
-            meta.context_slots = [
-                torch.from_numpy(np.concatenate([e.prefix_slots, e.new_slots])).to(dev)
-                for e in entries
-            ]
         logits = self.model(
             torch.from_numpy(ids).to(dev),
             torch.from_numpy(positions).to(dev),
@@ -397,6 +407,7 @@ class Engine:
         if not sampled:
             return out
         states = [self._live[entries[i].req.rid].sampling for i in sampled]
+        self._sampling_started = True  # from here a failure may have touched sampler state
         for i, result in zip(sampled, sample(logits, states), strict=True):
             out[i] = result.token
             if result.logprob is not None:

@@ -41,9 +41,11 @@ def run_to_end(engine) -> dict:
     return results
 
 
-def test_a_failed_prefill_ends_only_its_request(llama_dir):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_failed_prefill_ends_only_its_request(llama_dir, mixed):
+    # Mixed: `keep` decodes in the failing batch itself and is spared.
     reference = make_engine(llama_dir).generate([[5, 6, 7, 8]], GREEDY)[0]
-    engine = make_engine(llama_dir)
+    engine = make_engine(llama_dir, enable_mixed_chunk=mixed)
     keep = engine.add_request([5, 6, 7, 8], GREEDY)
     engine.step()  # `keep` is prefilled and decodes from here on
     doomed = engine.add_request([9, 10, 11, 12, 13, 14, 15], GREEDY)

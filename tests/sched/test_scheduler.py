@@ -267,3 +267,30 @@ def test_priority_preemption_retracts_only_past_the_threshold():
     done = run_to_completion(sched)
     assert {r.rid for r in done} == {"low", "near", "high"}
     assert len(low.output_ids) == 20
+
+
+def test_a_mixed_chunk_carries_one_decode_per_running_request_after_the_prefill():
+    sched = make_scheduler(chunked_prefill_size=8, enable_mixed_chunk=True)
+    sched.add_request(req("a", [1, 2, 3], max_new_tokens=20))
+    sched.add_request(req("b", [4, 5, 6], max_new_tokens=20))
+    sched.run_step(counting_model)  # both prefilled together; both run from here
+    sched.add_request(req("long", list(range(100, 130)), max_new_tokens=2))
+    batch = sched.step()
+    assert batch.mode is ForwardMode.EXTEND
+    kinds = [(e.req.rid, e.is_decode) for e in batch.entries]
+    # The prefill budget shrinks by the two decode tokens: 6 prompt tokens ride along.
+    assert kinds == [("long", False), ("a", True), ("b", True)]
+    assert len(batch.entries[0].token_ids) == 6
+    outputs_before = {r.rid: len(r.output_ids) for r in sched.running}
+    sched.process_batch_result(batch, counting_model(batch))
+    sched.check_invariants()
+    assert {r.rid: len(r.output_ids) for r in sched.running} == {
+        rid: n + 1 for rid, n in outputs_before.items()
+    }
+    assert sched.stats.mixed_batches == 1 and sched.prefilling.rid == "long"
+    finished = run_to_completion(sched)
+    assert {r.rid for r in finished} == {"a", "b", "long"}
+    assert all(
+        r.output_ids == [1000 + len(r.input_ids) + i for i in range(len(r.output_ids))]
+        for r in finished
+    )

@@ -36,9 +36,10 @@ request_spec = st.fixed_dictionaries(
     eviction=st.sampled_from(available_eviction_policies()),
     priority=st.booleans(),
     ratio=st.sampled_from([0.1, 0.7]),
+    mixed=st.booleans(),
 )
 def test_every_request_ends_exactly_once_and_nothing_leaks(
-    specs, page_size, pool_pages, chunk, schedule, eviction, priority, ratio
+    specs, page_size, pool_pages, chunk, schedule, eviction, priority, ratio, mixed
 ):
     clock = StepClock()
     sched = make_scheduler(
@@ -53,6 +54,7 @@ def test_every_request_ends_exactly_once_and_nothing_leaks(
         init_new_token_ratio=ratio,
         min_new_token_ratio=min(ratio, 0.1),
         max_queue_wait=10.0,
+        enable_mixed_chunk=mixed,
     )
     reqs = []
     for i, spec in enumerate(specs):
@@ -80,6 +82,7 @@ def test_every_request_ends_exactly_once_and_nothing_leaks(
     event(f"retracted: {sched.stats.retractions > 0}")
     event(f"preempted: {sched.stats.preemptions > 0}")
     event(f"evicted: {sched.stats.evicted_tokens > 0}")
+    event(f"mixed: {sched.stats.mixed_batches > 0}")
     for spec, r in reqs:
         reason = r.finish_reason
         if reason.kind == "length":

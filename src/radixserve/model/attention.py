@@ -25,7 +25,9 @@ class AttentionMetadata:
     Extend: request i owns queries [starts[i], starts[i] + new_lens[i]) and attends over slots
     `context_slots[i]` (its prefix, then its new tokens), causally. Decode: every request has
     one query; `decode_slots` is [B, max_context] padded with slot 0 and `decode_mask` marks
-    the real entries.
+    the real entries. Mixed (an extend batch with `decode_rows` > 0): the last `decode_rows`
+    queries are decodes described by `decode_slots` and `decode_mask`; the extend fields
+    describe the queries before them.
     """
 
     is_decode: bool
@@ -37,6 +39,7 @@ class AttentionMetadata:
     context_slots: list[torch.Tensor]
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    decode_rows: int = 0
 
 
 class AttentionBackend(Protocol):
@@ -66,6 +69,10 @@ class TorchAttention:
     def forward(self, q, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
         if meta.is_decode:
             return self._decode(q, k_pool, v_pool, meta)
+        if meta.decode_rows:
+            split = q.shape[0] - meta.decode_rows
+            extend = self._extend(q[:split], k_pool, v_pool, meta)
+            return torch.cat([extend, self._decode(q[split:], k_pool, v_pool, meta)])
         return self._extend(q, k_pool, v_pool, meta)
 
     def _extend(self, q, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:

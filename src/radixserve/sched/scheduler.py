@@ -54,6 +54,7 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
     clip_max_new_tokens: int = 4096
+    enable_mixed_chunk: bool = False
 
     def __post_init__(self) -> None:
         make_schedule_policy(self.schedule_policy)
@@ -93,8 +94,9 @@ class BatchEntry:
     The model computes the KV of `token_ids` (at positions `len(prefix_slots)` onwards), writes
     it into `new_slots`, attends over `prefix_slots` plus `new_slots`, and, when `sample` is
     true, returns the next token. `sample` is false for a prefill chunk that is not the last.
-    The slot arrays are views into the request, valid until `process_batch_result`; do not
-    write to them.
+    `is_decode` marks a running request's one-token decode; in an extend batch (mixed chunk)
+    such entries come after every prefill entry. The slot arrays are views into the request,
+    valid until `process_batch_result`; do not write to them.
     """
 
     req: Req
@@ -102,10 +104,14 @@ class BatchEntry:
     prefix_slots: np.ndarray
     new_slots: np.ndarray
     sample: bool
+    is_decode: bool = False
 
 
 @dataclass(slots=True)
 class Batch:
+    """An extend batch (prefill chunks, then, when mixed, one decode entry per running
+    request) or a decode batch."""
+
     mode: ForwardMode
     entries: list[BatchEntry]
 
@@ -119,6 +125,7 @@ class SchedulerStats:
 
     extend_batches: int = 0
     decode_batches: int = 0
+    mixed_batches: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     computed_prefill_tokens: int = 0
@@ -344,7 +351,10 @@ class Scheduler:
     def _schedule_extend(self) -> Batch | None:
         if not self.waiting and self.prefilling is None:
             return None
-        rnd = _Round(reserved=self._reserved(), chunk_left=self.config.chunked_prefill_size)
+        budget = self.config.chunked_prefill_size
+        if self.config.enable_mixed_chunk and self.running:
+            budget = max(self.page_size, budget - len(self.running))
+        rnd = _Round(reserved=self._reserved(), chunk_left=budget)
         req = self.prefilling
         if req is not None:
             own_need = self._future_need(req)
@@ -357,6 +367,11 @@ class Scheduler:
         if not rnd.entries:
             return None
         self.stats.extend_batches += 1
+        if self.config.enable_mixed_chunk and self.running:
+            decode = self._decode_entries(retract=False)
+            if decode:
+                rnd.entries.extend(decode)
+                self.stats.mixed_batches += 1
         return Batch(ForwardMode.EXTEND, rnd.entries)
 
     def _future_need(self, req: Req) -> int:
@@ -497,7 +512,23 @@ class Scheduler:
         return True
 
     def _schedule_decode(self) -> Batch | None:
+        entries = self._decode_entries(retract=True)
+        if not entries:
+            return None
+        self.stats.decode_batches += 1
+        return Batch(ForwardMode.DECODE, entries)
+
+    def _decode_entries(self, retract: bool) -> list[BatchEntry]:
+        """One decode entry per running request, with a slot for its next token.
+
+        Short of memory, `retract` sends requests back to the queue until the rest fit; without
+        it (a decode riding in an extend batch) nothing is decoded this step instead.
+        """
         page = self.page_size
+        if not retract:
+            needing = [r for r in self.running if r.kv_len >= r.kv_allocated]
+            if len(needing) * page > self._capacity():
+                return []
         retracted = False
         while True:
             needing = [r for r in self.running if r.kv_len >= r.kv_allocated]
@@ -509,7 +540,7 @@ class Scheduler:
                 (req,) = self.running
                 self._release(req, finished=True)
                 self._end(req, FinishReason("abort", message="out of KV memory", cause="memory"))
-                return None
+                return []
             else:
                 victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
             self._retract(victim)
@@ -529,12 +560,12 @@ class Scheduler:
                 r.kv_slots[: r.kv_len],
                 r.kv_slots[r.kv_len : r.kv_len + 1],
                 sample=True,
+                is_decode=True,
             )
             for r in self.running
         ]
         self.ratio.step()
-        self.stats.decode_batches += 1
-        return Batch(ForwardMode.DECODE, entries)
+        return entries
 
     # -- results --------------------------------------------------------------------------
 
@@ -551,7 +582,7 @@ class Scheduler:
             if req.finished or req.state is ReqState.WAITING:
                 continue
             req.kv_len += len(entry.token_ids)
-            if batch.mode is ForwardMode.EXTEND:
+            if not entry.is_decode:
                 self.stats.computed_prefill_tokens += len(entry.token_ids)
                 self._release(req, finished=False)
                 if not entry.sample:
