@@ -21,6 +21,12 @@
     prefilled in 256-token chunks; the streams' time per output token (p50, p99, max) and
     their throughput.
 
+(g) The peer, llama.cpp (`--llama-cpp`): llama-cpp-python's `Llama` on the same GGUF with the
+    same threads, each side in a fresh process: prefill of 512 tokens, batch-1 decode over 128
+    tokens, and resident memory after the run. `--install-llama-cpp` first builds
+    llama-cpp-python from its PyPI sdist with LLAMA_CPP_CMAKE_ARGS (GGML_NATIVE=OFF with
+    AVX2/AVX512 named: a native build of 0.3.36 segfaulted on its first eval here).
+
 `--weight-format` picks the format of parts a, c and d (default auto); part b, the
 transformers comparison, always runs on the float32 weights.
 """
@@ -28,6 +34,10 @@ transformers comparison, always runs on the float32 weights.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -267,11 +277,17 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--weight-format", default="auto")
+    parser.add_argument("--llama-cpp", action="store_true", help="part (g): llama.cpp beside us")
+    parser.add_argument("--install-llama-cpp", action="store_true", help="build it first")
+    parser.add_argument("--peer-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--groups", type=int, default=GROUPS)
     parser.add_argument("--hf-groups", type=int, default=GROUPS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.peer_child:
+        print(json.dumps(peer_figures(args.peer_child, args.threads, args.weight_format)))
+        return
     parts = set(args.parts.split(","))
 
     def make_engine(**options):
@@ -289,6 +305,99 @@ def main() -> None:
         part_e(args, make_engine)
     if "f" in parts:
         part_f(args, make_engine)
+    if args.install_llama_cpp:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-binary",
+                "llama-cpp-python",
+                f"llama-cpp-python=={LLAMA_CPP_VERSION}",
+            ],
+            env={**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS},
+            check=True,
+        )
+    if args.llama_cpp or args.install_llama_cpp:
+        part_g(args)
+
+
+LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_CPP_CMAKE_ARGS = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
+)
+
+
+def peer_figures(side: str, threads: int, weight_format: str) -> dict:
+    """Prefill 512 / decode 128 / RSS of one side, measured in this (fresh) process."""
+    from radixserve.model.loader import default_model_path
+
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(100, 40_000, 512).tolist()
+    if side == "llama.cpp":
+        from llama_cpp import Llama
+
+        llm = Llama(
+            model_path=str(default_model_path()),
+            n_ctx=2048,
+            n_threads=threads,
+            n_batch=512,
+            verbose=False,
+        )
+        llm.eval(prompt[:64])  # warm-up
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        prefill = 512 / (time.perf_counter() - start)
+        llm.reset()
+        llm.eval([100, 200, 300])
+        start = time.perf_counter()
+        for _ in range(128):
+            token = llm.sample(temp=0.0)
+            llm.eval([token])
+        decode = 128 / (time.perf_counter() - start)
+    else:
+        engine = Engine(threads=threads, weight_format=weight_format, kv_cache_tokens=4096)
+        engine.generate([prompt[:64]], {"max_new_tokens": 2})
+        run = timed_run(engine, [prompt], {"max_new_tokens": 1})
+        prefill = 512 / run["prefill"]
+        run = timed_run(engine, [[100, 200, 300]], {"max_new_tokens": 129, "ignore_eos": True})
+        decode = 128 / run["decode"]
+    with open("/proc/self/status") as status:
+        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+    return {"prefill": prefill, "decode": decode, "rss_mib": rss}
+
+
+def part_g(args) -> None:
+    rows = {}
+    for side in ("radixserve", "llama.cpp"):
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--peer-child",
+                side,
+                "--threads",
+                str(args.threads),
+                "--weight-format",
+                args.weight_format,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        rows[side] = json.loads(out.stdout.strip().splitlines()[-1])
+    ours, peer = rows["radixserve"], rows["llama.cpp"]
+    print(f"(g) against llama.cpp {LLAMA_CPP_VERSION} on the same GGUF, {args.threads} threads")
+    for key, name in (("prefill", "prefill 512, tok/s"), ("decode", "decode b1, tok/s")):
+        print(
+            f"    {name:<20} radixserve {ours[key]:7.1f}  llama.cpp {peer[key]:7.1f}  "
+            f"ratio {ours[key] / peer[key]:.2f}x"
+        )
+    print(
+        f"    {'RSS, MiB':<20} radixserve {ours['rss_mib']:7.0f}  llama.cpp {peer['rss_mib']:7.0f}"
+    )
 
 
 def part_f(args, make_engine) -> None:
