@@ -135,6 +135,7 @@ class Engine:
         self._live: dict[str, _Live] = {}
         self.failed_steps = 0
         self._sampling_started = False
+        self._spared: set[str] = set()  # decode entries spared by the last failed step
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
         log.info(
@@ -268,12 +269,25 @@ class Engine:
                     if entry.sample:
                         self._emit(entry.req, chunks)
             except Exception as exc:
-                mixed = batch.mode is ForwardMode.EXTEND and not self._sampling_started
-                doomed = [e.req.rid for e in batch.entries if not (mixed and e.is_decode)]
-                self._fail(doomed, exc, chunks)
+                self._fail(self._doomed(batch), exc, chunks)
+            else:
+                self._spared.clear()
         for req in self.scheduler.pop_finished():
             self._finish(req, chunks)
         return list(chunks.values())
+
+    def _doomed(self, batch: Batch) -> list[str]:
+        """The requests a failed batch takes down: all, except, when the model failed on a
+        mixed batch, decode entries not already spared by the failure just before."""
+        mixed = batch.mode is ForwardMode.EXTEND and not self._sampling_started
+        doomed = []
+        for entry in batch.entries:
+            rid = entry.req.rid
+            if mixed and entry.is_decode and rid not in self._spared:
+                self._spared.add(rid)
+            else:
+                doomed.append(rid)
+        return doomed
 
     def recover(self, exc: BaseException) -> list[StreamChunk]:
         """After `step()` raised: end every request as `abort` (cause `error`) and check state.

@@ -119,3 +119,25 @@ def test_recover_after_a_scheduler_failure_ends_everything_cleanly(llama_dir):
     assert all(c.result.abort_cause == "error" for c in chunks if c.finished)
     assert not engine.has_work()
     pool_is_whole(engine)
+
+
+def test_a_decode_that_breaks_the_model_is_spared_once_not_forever(llama_dir):
+    """A running request whose own decode fails the model: the first mixed failure spares it
+    (the prefill beside it is blamed), the second ends it, and the engine serves on."""
+    engine = make_engine(llama_dir, enable_mixed_chunk=True)
+    culprit = engine.add_request([5, 6, 7], {"max_new_tokens": 50, "ignore_eos": True})
+    engine.step()
+    fail_when(engine, lambda b: any(e.is_decode and e.req.rid == culprit for e in b.entries))
+    results = {}
+    for i in range(6):  # a new prompt arrives every step
+        engine.add_request([20 + i, 21, 22], GREEDY)
+        for chunk in engine.step():
+            if chunk.finished:
+                results[chunk.rid] = chunk.result
+        engine.check_invariants()
+    assert results[culprit].abort_cause == "error"
+    results.update(run_to_end(engine))
+    errors = [r for r in results.values() if r.abort_cause == "error"]
+    assert len(errors) <= 3  # the culprit and at most the two prompts beside its failures
+    assert sum(r.finish_reason == "length" for r in results.values()) >= 4
+    pool_is_whole(engine)
