@@ -9,6 +9,12 @@ first with `--install-llama-cpp`).
 
     python bench/serve.py                     # rates 0.5, 1, 2 req/s, 32 requests each
     python bench/serve.py --quick             # one rate, 12 requests
+    python bench/serve.py --long-prompt       # mixed chunks on and off, a long prompt arriving
+
+`--long-prompt` streams 8 answers of 120 tokens and sends a 2,048-token prompt one second in,
+against a server with mixed chunks on and one with them off, and reports the streams' time
+between tokens (p50, p99, max): how long a running stream stalls while a long prompt is
+prefilled.
 """
 
 from __future__ import annotations
@@ -161,6 +167,47 @@ def bench_server(name, command, port, ready, prompts, rates, max_tokens) -> list
     return rows
 
 
+async def long_prompt_arrival(url: str, streams: int = 8, prompt_tokens: int = 2048) -> dict:
+    """Gaps between the tokens of `streams` running answers while a long prompt arrives."""
+    rng = np.random.default_rng(7)
+
+    async def stream(client, prompt) -> list[float]:
+        body = {"prompt": prompt, "max_tokens": 120, "stream": True, "ignore_eos": True}
+        times = []
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and '"text": ""' not in line:
+                    times.append(time.perf_counter())
+        return list(np.diff(times))
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        prompts = [rng.integers(100, 40_000, 32).tolist() for _ in range(streams)]
+        tasks = [asyncio.create_task(stream(client, p)) for p in prompts]
+        await asyncio.sleep(1.0)
+        long = {"prompt": rng.integers(100, 40_000, prompt_tokens).tolist(), "max_tokens": 1}
+        await client.post(f"{url}/v1/completions", json=long)
+        gaps = np.concatenate([await t for t in tasks]) * 1e3
+    return {f"p{q}": float(np.percentile(gaps, q)) for q in (50, 99)} | {"max": float(gaps.max())}
+
+
+def bench_long_prompt(base: list[str]) -> None:
+    print(f"long prompt: 8 streams of 120 tokens, a 2,048-token prompt arrives 1 s in; {base[3:]}")
+    for name, extra in (("mixed on", []), ("mixed off", ["--no-enable-mixed-chunk"])):
+        port = free_port()
+        proc = start_server([*base, *extra, "--port", str(port)], port, "ready")
+        try:
+            row = asyncio.run(long_prompt_arrival(f"http://127.0.0.1:{port}"))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        print(
+            f"  {name:<10} time between a stream's tokens: p50 {row['p50']:6.0f} ms, "
+            f"p99 {row['p99']:6.0f} ms, max {row['max']:6.0f} ms",
+            flush=True,
+        )
+
+
 def print_row(r: dict) -> None:
     hit = f"{100 * r['hit']:6.1f}%" if "hit" in r else "    n/a"
     print(
@@ -185,6 +232,8 @@ def main() -> None:
         action="store_true",
         help="pip install llama-cpp-python[server] first (builds llama.cpp)",
     )
+    parser.add_argument("--long-prompt", action="store_true", help="only the mixed-chunk run")
+    parser.add_argument("--chunked-prefill-size", type=int, default=None, help="for the servers")
     args = parser.parse_args()
     groups, per_group, system, question, out = (
         (3, 4, 256, 32, 16) if args.quick else (4, 8, 512, 32, 16)
@@ -208,6 +257,11 @@ def main() -> None:
         "--kv-cache-tokens",
         "32768",
     ]
+    if args.chunked_prefill_size is not None:
+        base += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
+    if args.long_prompt:
+        bench_long_prompt(base)
+        return
     results = []
     wanted = set(args.servers.split(","))
     for key, name, extra in (
