@@ -259,19 +259,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_seconds(text: str) -> float:
+def _seconds(text: str, allow_zero: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    if not (value >= 0 if allow_zero else value > 0):
+        raise argparse.ArgumentTypeError(f"must be {'>=' if allow_zero else '>'} 0 seconds")
     return value
+
+
+def _positive_seconds(text: str) -> float:
+    return _seconds(text, allow_zero=False)
 
 
 def _non_negative_seconds(text: str) -> float:
-    value = _positive_seconds(text) if text.strip() not in ("0", "0.0") else 0.0
-    return value
+    return _seconds(text, allow_zero=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

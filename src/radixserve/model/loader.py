@@ -173,9 +173,8 @@ def _build(weights: _Weights, choice: FormatChoice, device: torch.device):
 
 def _module_sources(config: LlamaConfig, weights: _Weights):
     """The file's int4 groups and storage types per linear module (fused ones included)."""
-    parts = {"lm_head": ["lm_head.weight" if not config.tie_word_embeddings else ""]}
-    if not parts["lm_head"][0] or "lm_head.weight" not in weights.file_types:
-        parts["lm_head"] = ["model.embed_tokens.weight"]
+    untied = not config.tie_word_embeddings and "lm_head.weight" in weights.file_types
+    parts = {"lm_head": ["lm_head.weight" if untied else "model.embed_tokens.weight"]}
     for i in range(config.num_hidden_layers):
         pre = f"model.layers.{i}."
         for block, fused in (("self_attn", "qkv_proj"), ("mlp", "gate_up_proj")):

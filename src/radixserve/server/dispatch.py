@@ -59,8 +59,10 @@ class Dispatcher:
 
         return await self.off_thread(render)
 
-    async def prepare(self, jobs: Sequence[tuple[str | list[int], dict]], request_id: str):
-        """Validated `Part`s for (prompt, sampling params) jobs; text prompts are encoded."""
+    async def start(self, request: Request, jobs: Sequence[tuple[str | list[int], dict]]) -> Group:
+        """Validate and encode (prompt, sampling params) jobs off the event loop, then submit
+        them all or none (429 when the queue is full, 503 while shutting down)."""
+        request_id = request.state.request_id
 
         def build() -> list[Part]:
             parts = []
@@ -69,10 +71,7 @@ class Dispatcher:
                 parts.append(Part(ids, checked, f"{request_id}-{k}"))
             return parts
 
-        return await self.off_thread(build)
-
-    async def start(self, request: Request, parts: list[Part]) -> Group:
-        """Submit every part or none (429 when the queue is full, 503 while shutting down)."""
+        parts = await self.off_thread(build)
         try:
             queues = await self.worker.submit(parts)
         except QueueFullError as exc:

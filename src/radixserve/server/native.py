@@ -17,8 +17,7 @@ def add_native_routes(app: FastAPI, dispatcher: Dispatcher) -> None:
         if (body.text is None) == (body.input_ids is None):
             raise APIError(400, "give exactly one of text and input_ids", "text")
         prompt = body.text if body.text is not None else body.input_ids
-        parts = await dispatcher.prepare([(prompt, body.sampling_params)], request.state.request_id)
-        group = await dispatcher.start(request, parts)
+        group = await dispatcher.start(request, [(prompt, body.sampling_params)])
         if body.stream:
 
             async def native_stream():

@@ -105,8 +105,7 @@ def add_openai_routes(
             raise APIError(400, "echo is not supported", "echo")
         params = sampling(body, body.max_tokens, body.logprobs)
         jobs = [(p, _seeded(params, i)) for p in _prompt_list(body.prompt) for i in range(body.n)]
-        parts = await dispatcher.prepare(jobs, request.state.request_id)
-        group = await dispatcher.start(request, parts)
+        group = await dispatcher.start(request, jobs)
         shape = _Shape(
             "completion",
             lambda k, r: {
@@ -136,9 +135,9 @@ def add_openai_routes(
         prompt = await dispatcher.chat_prompt([m.model_dump() for m in body.messages])
         top = body.top_logprobs if body.logprobs else None
         params = sampling(body, max_tokens, (top or 0) if body.logprobs else None)
-        jobs = [(prompt, _seeded(params, i)) for i in range(body.n)]
-        parts = await dispatcher.prepare(jobs, request.state.request_id)
-        group = await dispatcher.start(request, parts)
+        group = await dispatcher.start(
+            request, [(prompt, _seeded(params, i)) for i in range(body.n)]
+        )
         shape = _Shape(
             "chat",
             lambda k, r: {

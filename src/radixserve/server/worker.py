@@ -400,13 +400,10 @@ class EngineWorker:
                 future = item[1]
                 if future.set_running_or_notify_cancel():
                     future.set_exception(EngineDeadError(self._dead_message()))
-        self._publish_safely()
-        if self.on_fatal is not None:
-            self.on_fatal(exc)
-
-    def _publish_safely(self) -> None:
         with contextlib.suppress(Exception):  # the engine may be too broken to describe itself
             self._publish()
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     def _dead_message(self) -> str:
         exc = self._failure
