@@ -73,32 +73,57 @@ def parse_workload_args(value: str | None) -> dict:
     return out
 
 
-def _load(trace: str, fmt: str, block_size: int, seed: int, workload_args: str | None = None):
+def _load(
+    trace: str,
+    fmt: str,
+    block_size: int,
+    seed: int,
+    workload_args: str | None = None,
+    block_keys: bool = False,
+):
     from radixserve.sim.study import workload_trace
     from radixserve.sim.traces import load_trace
 
     if trace.startswith("workload:"):
         kwargs = parse_workload_args(workload_args)
         try:
-            return workload_trace(trace.split(":", 1)[1], seed=seed, **kwargs)
+            return workload_trace(
+                trace.split(":", 1)[1], seed=seed, block_keys=block_keys, **kwargs
+            )
         except TypeError as exc:
             raise InvalidArgumentError(f"--workload-args: {exc}") from None
     if workload_args:
         raise InvalidArgumentError("--workload-args applies only to workload:NAME traces")
-    return load_trace(trace, fmt=fmt, block_size=block_size)
+    return load_trace(trace, fmt=fmt, block_size=block_size, block_keys=block_keys)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from radixserve.sim.oracle import infinite_cache
     from radixserve.sim.replay import ReplayConfig, replay
     from radixserve.sim.report import markdown_table, plot_hit_rates, write_csv, write_json
+    from radixserve.sim.traces import sniff_format
 
-    trace = _load(args.trace, args.format, args.block_size, args.seed, args.workload_args)
-    evictions, schedules = _split(args.eviction), _split(args.schedule)
+    keys = args.keys if args.keys != "auto" else ("blocks" if args.cache_only else "tokens")
+    trace = _load(
+        args.trace, args.format, args.block_size, args.seed, args.workload_args, keys == "blocks"
+    )
+    evictions = _split(args.eviction)
     sizes = parse_cache_sizes(args.cache)
+    bound, unique = infinite_cache(trace, args.page_size if args.cache_only else 1)
+    unit = "tokens"
+    if keys == "blocks":
+        from radixserve.sim.study import unit_of
+
+        name = args.trace.split(":", 1)[1] if args.trace.startswith("workload:") else None
+        if name is not None:
+            unit = unit_of(name)
+        elif args.format == "mooncake" or sniff_format(args.trace) == "mooncake":
+            unit = "blocks"
+    log.info("trace: %d requests, %d unique %s", len(trace), unique, unit)
+    if args.cache_only:
+        return _cache_only(args, trace, evictions, sizes, bound, unique, unit)
+    schedules = _split(args.schedule)
     cost_model = parse_cost_model(args.cost)
-    bound, unique = infinite_cache(trace)
-    log.info("trace: %d requests, %d unique tokens", len(trace), unique)
     results = []
     for eviction in evictions:
         for schedule in schedules:
@@ -136,6 +161,45 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_only(args, trace, evictions, sizes, bound, unique, unit) -> int:
+    from radixserve.sim.cacheonly import simulate_cache
+    from radixserve.sim.report import cache_only_table, write_json
+
+    results = []
+    for eviction in evictions:
+        for kind, size in sizes:
+            results.append(
+                simulate_cache(
+                    trace,
+                    eviction,
+                    kv_tokens=int(size) if kind == "tokens" else None,
+                    cache_fraction=size if kind == "fraction" else None,
+                    page_size=args.page_size,
+                    unique=unique,
+                    progress=sys.stderr.isatty(),
+                )
+            )
+    print(
+        f"Pure cache simulation of {args.trace}: {len(trace):,} requests in arrival order, "
+        f"{unique:,} unique {unit}, no scheduler.\n"
+    )
+    print(cache_only_table(results, unit, infinite_bound=bound))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(
+            out / "cache_only.json",
+            results,
+            trace=args.trace,
+            requests=len(trace),
+            unique=unique,
+            unit=unit,
+            infinite_cache_bound=bound,
+        )
+        log.info("wrote %s", out / "cache_only.json")
+    return 0
+
+
 def cmd_study(args: argparse.Namespace) -> int:
     from radixserve.sim.study import mean_gap_closed, run_study, summarize, write_report
 
@@ -163,7 +227,10 @@ def cmd_study(args: argparse.Namespace) -> int:
     print(f"mean gap closed by {args.policy}: {100 * mean_gap_closed(summaries):.1f}%")
     for s in summaries:
         closed = "n/a" if s.gap_closed is None else f"{100 * s.gap_closed:.0f}%"
-        print(f"  {s.workload}: gap closed {closed}, worst vs lru {s.worst_vs_lru:+.2f} points")
+        print(
+            f"  {s.workload}: gap closed {closed}, worst vs lru {s.worst_vs_lru:+.2f} points, "
+            f"worst vs max(lru, lfu) {s.worst_vs_classical:+.2f} points"
+        )
     return 0
 
 
@@ -304,6 +371,18 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument(
         "--cost", help="cost-model constants, e.g. decode_step=0.01,prefill_per_token=1e-4"
     )
+    rp.add_argument(
+        "--cache-only",
+        action="store_true",
+        help="pure cache simulation in arrival order: no scheduler, queue or cost model",
+    )
+    rp.add_argument(
+        "--keys",
+        choices=("auto", "blocks", "tokens"),
+        default="auto",
+        help="Mooncake traces: one key per block, or block-size token ids per block "
+        "(auto: blocks with --cache-only, else tokens)",
+    )
     rp.add_argument("--out", help="directory for replay.csv, replay.json and hit_rate.png")
     rp.set_defaults(func=cmd_replay)
 
@@ -315,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("--out", default="docs/eviction", help="directory for PNGs and study.json")
     st.add_argument("--markdown", default=None, help="report file (default: OUT.md)")
-    st.add_argument("--eviction", default="lru,lfu,slru,wgd,belady")
-    st.add_argument("--policy", default="wgd", help="the policy the summary judges")
+    st.add_argument("--eviction", default="lru,lfu,slru,wgd,adaptive,belady")
+    st.add_argument("--policy", default="adaptive", help="the policy the summary judges")
     st.add_argument("--cache", default="0.5,1,2,5,10,20", help="sizes, % of unique tokens")
     st.add_argument("--workloads", default=None, help="comma-separated (default: all)")
     st.add_argument("--scale", type=float, default=1.0, help="multiplies each workload's size")

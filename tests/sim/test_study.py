@@ -10,7 +10,7 @@ import pytest
 
 from radixserve.cli import main
 from radixserve.errors import InvalidArgumentError
-from radixserve.sim.replay import replay
+from radixserve.sim.cacheonly import simulate_cache
 from radixserve.sim.study import (
     BEGIN,
     END,
@@ -19,7 +19,6 @@ from radixserve.sim.study import (
     mean_gap_closed,
     replay_command,
     run_study,
-    study_config,
     study_trace,
     summarize,
     write_report,
@@ -28,8 +27,8 @@ from radixserve.sim.traces import read_mooncake, write_mooncake
 from radixserve.sim.workloads import mooncake_conversation
 
 SCALE = 0.02
-WORKLOADS = ("shared-prefix-zipf", "tree-of-thought-shuffled", "mooncake-conversation")
-POLICIES = ("lru", "wgd", "belady")
+WORKLOADS = ("shared-prefix-zipf", "tree-of-thought-shuffled", "chat-documents")
+POLICIES = ("lru", "lfu", "adaptive", "belady")
 SIZES = (1.0, 5.0)
 
 
@@ -43,8 +42,10 @@ def test_every_cell_is_a_replay_of_the_study_trace(rows):
         (w, p, s) for w in WORKLOADS for p in POLICIES for s in SIZES
     ]
     first = rows[0]
-    again = replay(study_trace(first.workload, SCALE), study_config(first.policy, 1.0))
-    assert again.token_hit_rate == first.hit_rate, "deterministic, and the same code"
+    again = simulate_cache(study_trace(first.workload, SCALE), first.policy, cache_fraction=1.0)
+    assert again.hit_rate == first.hit_rate, "deterministic, and the same code"
+    assert {r.unit for r in rows if r.workload == "chat-documents"} == {"blocks"}
+    assert {r.unit for r in rows if r.workload != "chat-documents"} == {"tokens"}
     for r in rows:
         assert 0 <= r.hit_rate <= r.infinite_bound + 1e-9
         assert r.kv_tokens >= round(r.size_percent / 100 * r.unique_tokens)
@@ -57,15 +58,18 @@ def test_report_has_a_summary_a_table_and_a_png_per_workload(rows, tmp_path):
     text = md.read_text()
     assert text.startswith("# Prose") and "kept too" in text and "old figures" not in text
     assert "Mean gap closed" in text and "Worst case against LRU" in text
+    assert "Worst case against the better of LRU and LFU" in text
     for w in WORKLOADS:
         png = tmp_path / "eviction" / f"{w}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"![{w}](eviction/{w}.png)" in text
         table = text.split(f"### {w}\n", 1)[1].split("![", 1)[0]
-        body = [line for line in table.splitlines() if line.startswith("| ") and "%" not in line]
+        body = [
+            line for line in table.splitlines() if line[:3].startswith("| ") and line[2].isdigit()
+        ]
         assert len(body) == len(SIZES)
         assert all(len(line.split("|")) == len(POLICIES) + 6 for line in body)
-        assert "wgd: gap closed" in table
+        assert "adaptive: gap closed" in table
     data = json.loads((tmp_path / "eviction" / "study.json").read_text())
     assert len(data) == len(rows) and data[0]["workload"] == WORKLOADS[0]
     write_report(tmp_path / "eviction", rows, markdown=md, scale=SCALE)
@@ -73,31 +77,39 @@ def test_report_has_a_summary_a_table_and_a_png_per_workload(rows, tmp_path):
 
 
 def _row(workload: str, policy: str, size: float, hit: float) -> StudyRow:
-    return StudyRow(workload, policy, size, 100, hit / 100, 0.9, 1000, 10, 0, 0.0)
+    return StudyRow(workload, policy, size, 100, hit / 100, 0.62, 1000, 10, 0, 0.0)
 
 
 def test_summary_arithmetic():
     rows = [
         _row("w", "lru", 1, 10), _row("w", "wgd", 1, 14), _row("w", "belady", 1, 20),
+        _row("w", "lfu", 1, 15),
         _row("w", "lru", 5, 30), _row("w", "wgd", 5, 32), _row("w", "belady", 5, 40),
+        _row("w", "lfu", 5, 20),
         _row("w", "lru", 20, 60), _row("w", "wgd", 20, 59.5), _row("w", "belady", 20, 60),
+        _row("w", "lfu", 20, 50),
         _row("flat", "lru", 1, 50), _row("flat", "wgd", 1, 50), _row("flat", "belady", 1, 50.2),
     ]  # fmt: skip
-    w, flat = summarize(rows)
+    w, flat = summarize(rows, "wgd")
     assert w.gap_closed == pytest.approx((4 + 2) / (10 + 10))
     assert (w.gap_points, w.worst_vs_lru, w.worst_size) == (pytest.approx(20), -0.5, 20)
+    assert w.worst_vs_classical == pytest.approx(-1) and w.worst_classical_size == 1, "LFU led"
+    assert w.lru_knee == 20, "LRU first reaches 95% of the 62% bound at 20%"
     assert flat.gap_closed is None, "a 0.2-point gap is noise, not a ratio"
     assert mean_gap_closed([w, flat]) == pytest.approx(0.3)
     assert math.isnan(mean_gap_closed([flat]))
 
 
 def test_replay_command_reproduces_a_cell(rows, capsys):
-    row = next(r for r in rows if r.workload == "tree-of-thought-shuffled" and r.policy == "wgd")
+    row = next(
+        r for r in rows if r.workload == "tree-of-thought-shuffled" and r.policy == "adaptive"
+    )
     command = replay_command(row.workload, row.policy, row.size_percent, scale=SCALE)
     argv = command.split()[1:]
     assert main(argv) == 0
     table = capsys.readouterr().out
-    hit = float(table.splitlines()[2].split("|")[5])
+    line = next(line for line in table.splitlines() if line.startswith("| adaptive"))
+    hit = float(line.split("|")[4])
     assert hit == pytest.approx(100 * row.hit_rate, abs=0.005)
 
 
@@ -106,11 +118,11 @@ def test_study_cli_writes_the_report(tmp_path, capsys):
     code = main(
         [
             "study", "--out", str(out), "--scale", "0.01", "--cache", "2",
-            "--workloads", "few-shot", "--eviction", "lru,wgd,belady",
+            "--workloads", "few-shot", "--eviction", "lru,lfu,adaptive,belady",
         ]
     )  # fmt: skip
     assert code == 0
-    assert "mean gap closed by wgd" in capsys.readouterr().out
+    assert "mean gap closed by adaptive" in capsys.readouterr().out
     assert (tmp_path / "docs" / "eviction.md").is_file() and (out / "few-shot.png").is_file()
 
 

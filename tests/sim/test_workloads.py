@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
 from radixserve.errors import InvalidArgumentError
-from radixserve.sim.workloads import WORKLOADS, make_workload
+from radixserve.sim.workloads import WORKLOADS, chat_traffic, make_workload
 
 
 def starts_with(seq, prefix) -> bool:
@@ -82,3 +84,49 @@ def test_poisson_arrivals_are_increasing_and_validated():
         make_workload("few-shot", rate=0)
     with pytest.raises(InvalidArgumentError, match="workload"):
         make_workload("nope")
+
+
+def test_chat_traffic_has_the_shape_it_promises():
+    records = chat_traffic(num_sessions=300, num_apps=6, doc_share=0.3, seed=5)
+    assert records == chat_traffic(num_sessions=300, num_apps=6, doc_share=0.3, seed=5)
+    assert [r["timestamp"] for r in records] == sorted(r["timestamp"] for r in records)
+    for r in records:
+        assert 512 * (len(r["hash_ids"]) - 1) < r["input_length"] <= 512 * len(r["hash_ids"])
+    prompts = [tuple(r["hash_ids"]) for r in records]
+    # Later turns extend an earlier prompt of their session, block for block.
+    assert sum(any(b[: len(a)] == a and b != a for a in prompts) for b in prompts) > 50
+    # Every prompt starts with one of the six applications' system prompts.
+    firsts = {p[0] for p in prompts}
+    assert len(firsts) <= 6
+    lengths = [len(p) for p in prompts]
+    assert max(lengths) >= 8 + 1, "some messages carry long documents"
+    flat = chat_traffic(num_sessions=300, num_apps=6, doc_share=0.0, seed=5)
+    assert max(len(r["hash_ids"]) for r in flat) < max(lengths)
+
+
+def test_chat_traffic_drift_moves_popularity():
+    kwargs = dict(num_sessions=2000, num_apps=50, mean_turns=1.0, duration_s=4000.0, seed=2)
+    drifting = chat_traffic(drift_every_s=1000.0, **kwargs)
+
+    def top(records, lo, hi):
+        counts = Counter(r["hash_ids"][0] for r in records if lo <= r["timestamp"] < hi)
+        return counts.most_common(1)[0][0]
+
+    tops = {top(drifting, 1000 * k * 1000, 1000 * (k + 1) * 1000) for k in range(4)}
+    assert len(tops) >= 2, "the most popular application changes between phases"
+    steady = chat_traffic(**kwargs)
+    assert len({top(steady, 1000 * k * 1000, 1000 * (k + 1) * 1000) for k in range(4)}) == 1
+
+
+def test_chat_traffic_refuses_bad_arguments():
+    for kwargs in (
+        dict(doc_share=1.5),
+        dict(mean_turns=0.5),
+        dict(system_blocks=(3, 1)),
+        dict(answer_blocks=(-1, 2)),
+        dict(think_sigma=-1.0),
+        dict(drift_every_s=0.0),
+        dict(num_sessions=0),
+    ):
+        with pytest.raises(InvalidArgumentError):
+            chat_traffic(**kwargs)

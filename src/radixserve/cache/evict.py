@@ -23,7 +23,9 @@ policy defines it):
   cache, to read its sizes or to call `cache.refresh_eviction_key(node)` when a key it gave
   changes for a reason the tree cannot see;
 - `on_insert(node)`: a new leaf joined the tree, before its key is first asked for;
-- `on_evict(node, key, now)`: a leaf leaves the tree by eviction, still linked to its parent.
+- `on_evict(node, key, now)`: a leaf leaves the tree by eviction, still linked to its parent;
+- `on_reference(node, cached)`: `insert` placed a sequence whose path ends at `node`, and its
+  first `cached` tokens were in the tree before (a request's use of the cache, hits included).
 
 `TreeNode.eviction_state` belongs to the policy: the tree sets it to None on every new node
 (including the upper half of a split) and never reads it.
@@ -266,8 +268,12 @@ class WindowedGreedyDualPolicy:
             return (self.level_at(node.last_access_time), 0, 0.0)
         return (state.level, 0, -float(state.stamp))
 
+    def _identity(self, node: TreeNode) -> int:
+        """A hash naming where `node` starts (see `prefix_identity`)."""
+        return prefix_identity(node, self._page_bytes)
+
     def on_insert(self, node: TreeNode) -> None:
-        identity = prefix_identity(node, self._page_bytes)
+        identity = self._identity(node)
         size = self._ghosts.pop(identity, None)
         if size is not None:
             self._ghost_tokens -= size
@@ -286,7 +292,11 @@ class WindowedGreedyDualPolicy:
             state.segment, state.stamp = _PROBATION, self._demotions
             state.level = self._levels[-1]
             if oldest is not node and oldest.heap_entry is not None and not oldest.hit_count:
-                self.cache.refresh_eviction_key(oldest)
+                self._demoted(oldest)
+
+    def _demoted(self, node: TreeNode) -> None:
+        """`node`, an evictable leaf, left the window for probation: its key changed."""
+        self.cache.refresh_eviction_key(node)
 
     def on_evict(self, node: TreeNode, key: tuple, now: float) -> None:
         state = node.eviction_state
@@ -309,11 +319,17 @@ class WindowedGreedyDualPolicy:
         if state is not None and state.key_bytes == len(node.key):
             identity = state.identity
         else:  # the upper half of a split, or a lower half that starts further down now
-            identity = prefix_identity(node, self._page_bytes)
+            identity = self._identity(node)
         self._ghost_tokens += len(node) - self._ghosts.pop(identity, 0)
         self._ghosts[identity] = len(node)
         while self._ghost_tokens > self._ghost_limit:
             self._ghost_tokens -= self._ghosts.popitem(last=False)[1]
+
+
+def _adaptive() -> EvictionPolicy:
+    from radixserve.cache.adaptive import AdaptivePolicy
+
+    return AdaptivePolicy()
 
 
 _REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {
@@ -325,6 +341,7 @@ _REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {
     "priority": PriorityPolicy,
     "slru": SLRUPolicy,
     "wgd": WindowedGreedyDualPolicy,
+    "adaptive": _adaptive,
 }
 
 

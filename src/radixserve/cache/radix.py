@@ -166,6 +166,7 @@ class RadixCache:
         self.policy = make_eviction_policy(eviction_policy)
         self._on_evict = getattr(self.policy, "on_evict", None)
         self._on_insert = getattr(self.policy, "on_insert", None)
+        self._on_reference = getattr(self.policy, "on_reference", None)
         self.disable = bool(disable)
         self.enable_kv_events = bool(enable_kv_events)
         self._clock = clock
@@ -364,14 +365,18 @@ class RadixCache:
                 break
         cached = pos // TOKEN_BYTES
         if pos < end:
-            self._add_leaf(node, kb[pos:end], slots[cached : end // TOKEN_BYTES], now, priority)
+            node = self._add_leaf(
+                node, kb[pos:end], slots[cached : end // TOKEN_BYTES], now, priority
+            )
         elif node.heap_entry is not None and self.policy.tracks_access:
             self._rekey(node)
+        if self._on_reference is not None and end:
+            self._on_reference(node, cached)
         return cached
 
     def _add_leaf(
         self, parent: TreeNode, key: bytes, slots: np.ndarray, now: float, priority: float
-    ) -> None:
+    ) -> TreeNode:
         value = slots.copy()
         value.flags.writeable = False
         leaf = TreeNode(key, value, parent, now, parent.extra_key, priority)
@@ -396,6 +401,7 @@ class RadixCache:
                     leaf.extra_key,
                 )
             )
+        return leaf
 
     # -- the evictable-leaf heap -----------------------------------------------------------
 
@@ -426,6 +432,18 @@ class RadixCache:
         """
         if node.heap_entry is not None:
             self._rekey(node)
+
+    def refresh_all_eviction_keys(self) -> None:
+        """Recompute every evictable leaf's key: for a policy whose ranking changed wholesale."""
+        leaves = [entry[2] for entry in self._heap if entry[2] is not None]
+        key = self.policy.key
+        entries = []
+        for node in leaves:
+            entry = [key(node), next(self._counter), node]
+            node.heap_entry = entry
+            entries.append(entry)
+        self._heap[:] = entries  # in place: evict() may hold this list
+        heapq.heapify(self._heap)
 
     # -- eviction --------------------------------------------------------------------------
 

@@ -65,13 +65,17 @@ class BeladyPolicy:
     name = "belady"
     tracks_access = True
 
-    def __init__(self, trace: Sequence[TraceRequest], page_size: int = 1) -> None:
+    def __init__(
+        self, trace: Sequence[TraceRequest], page_size: int = 1, *, whole_prompt: bool = False
+    ) -> None:
         self.page_size = page_size
         self._index = {r.rid: i for i, r in enumerate(trace)}
         self._uses: dict[bytes, list[int]] = {}
+        # The scheduler matches all but the last token, so only those pages can be reached;
+        # a pure cache simulation reuses whole prompts.
+        cut = 0 if whole_prompt else 1
         for i, r in enumerate(trace):
-            # The scheduler matches all but the last token, so only those pages can be reached.
-            for digest in hash_pages(r.input_ids[: len(r.input_ids) - 1], page_size):
+            for digest in hash_pages(r.input_ids[: len(r.input_ids) - cut], page_size):
                 self._uses.setdefault(digest, []).append(i)
         self._cursor: dict[bytes, int] = {}
         self._used = np.zeros(len(trace), dtype=bool)

@@ -121,11 +121,14 @@ def _capacity(trace: Sequence[TraceRequest], config: ReplayConfig, unique: int) 
 
 
 def make_policy(
-    name: str, trace: Sequence[TraceRequest], page_size: int
+    name: str, trace: Sequence[TraceRequest], page_size: int, *, whole_prompt: bool = False
 ) -> EvictionPolicy | BeladyPolicy:
-    """A registered eviction policy, or the offline `belady` oracle for this trace."""
+    """A registered eviction policy, or the offline `belady` oracle for this trace.
+
+    `whole_prompt` tells Belady that a request can reuse its whole prompt (pure cache
+    simulation) rather than all of it but the last token (the scheduler's rule)."""
     if name == "belady":
-        return BeladyPolicy(trace, page_size)
+        return BeladyPolicy(trace, page_size, whole_prompt=whole_prompt)
     return make_eviction_policy(name)
 
 

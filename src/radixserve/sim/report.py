@@ -40,6 +40,22 @@ def markdown_table(results: Sequence[ReplayResult], infinite_bound: float | None
     return "\n".join(lines)
 
 
+def cache_only_table(results: Sequence, unit: str, infinite_bound: float | None = None) -> str:
+    """One row per pure cache simulation (`CacheOnlyResult`); hit rates are over `unit`."""
+    lines = [
+        f"| eviction | cache {unit} | cache % | hit rate % | evicted | µs/req |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.eviction_policy} | {r.kv_tokens:,} | {100 * r.cache_fraction:.2f} | "
+            f"{100 * r.hit_rate:.2f} | {r.evicted_tokens:,} | {r.us_per_request:.1f} |"
+        )
+    if infinite_bound is not None:
+        lines.append(f"\nInfinite-cache bound: {100 * infinite_bound:.2f}% hit rate.")
+    return "\n".join(lines)
+
+
 def write_csv(path: str | Path, results: Sequence[ReplayResult]) -> None:
     rows = [r.as_dict() for r in results]
     with Path(path).open("w", newline="") as handle:

@@ -1,16 +1,23 @@
 """The eviction study: every lab workload, a range of cache sizes, several policies.
 
-Each cell of the study is one `replay` (the scheduler and radix cache the server runs), so a
-cell can be rerun alone with `radixserve replay`. The study fixes what is not being studied:
-fcfs scheduling, every request queued at once (`arrivals="burst"`) and at most
-`max_running_requests` running, so the cache, not the arrival process, decides the hit rate.
-Workloads are sized so that 1% of their unique tokens holds several requests; `scale`
-multiplies the number of independent sessions, groups, subjects, trees or agents (a test runs
-the study at a small scale).
+Each cell is a pure cache simulation (`radixserve.sim.cacheonly`): the server's radix cache
+alone serves the workload in arrival order, so policies are compared without scheduling
+effects, as the literature compares them. A cell can be rerun alone with
+`radixserve replay workload:NAME --cache-only` (`replay_command` prints the line).
 
-`summarize` compares a policy with LRU and Belady: the fraction of the LRU-to-Belady gap it
-closes and its worst case against LRU. `write_report` writes the markdown table, one PNG per
-workload and the raw rows as JSON.
+The workloads span the regimes a deployment can be in, and the sizes span working sets from
+well under to far over the cache:
+
+- the SGLang-paper shapes at token level: shared prefixes (equal or Zipf popularity),
+  multi-turn chat in round-robin or random order, few-shot, tree-of-thought, agents;
+- production-style chat in the Mooncake trace format, one key per 512-token block
+  (`chat_traffic`): system prompts shared by an application's sessions, multi-turn sessions
+  whose returns are lognormal with a heavy tail, one-off long documents, popularity that
+  drifts over the day; plus `mooncake-conversation`.
+
+`scale` multiplies the number of sessions, groups, subjects, trees or agents (a test runs the
+study at a small scale). `summarize` compares a policy with LRU, LFU and Belady.
+`write_report` writes the markdown tables, one PNG per workload and the raw rows as JSON.
 """
 
 from __future__ import annotations
@@ -25,17 +32,17 @@ from functools import lru_cache
 from pathlib import Path
 
 from radixserve.errors import InvalidArgumentError
+from radixserve.sim.cacheonly import simulate_cache
 from radixserve.sim.oracle import infinite_cache
-from radixserve.sim.replay import ReplayConfig, replay
 from radixserve.sim.report import plot_hit_rate_lines
 from radixserve.sim.traces import TraceRequest, read_mooncake, write_mooncake
-from radixserve.sim.workloads import make_workload, mooncake_conversation
+from radixserve.sim.workloads import MOONCAKE_WORKLOADS, make_workload
 
 SIZES = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
-POLICIES = ("lru", "lfu", "slru", "wgd", "belady")
-GAP_SIZES = (1.0, 2.0, 5.0)
-MAX_RUNNING_REQUESTS = 4
-MOONCAKE_BLOCK_SIZE = 16
+POLICIES = ("lru", "lfu", "slru", "wgd", "adaptive", "belady")
+JUDGED = "adaptive"
+CLASSICAL = ("lru", "lfu")
+GAP_SIZES = (1.0, 5.0)
 
 # Generator arguments at scale 1. The first entry of each is the count that `scale` multiplies.
 STUDY_WORKLOADS: dict[str, dict] = {
@@ -53,13 +60,18 @@ STUDY_WORKLOADS: dict[str, dict] = {
     "tree-of-thought": dict(num_trees=512, output_len=16),
     "tree-of-thought-shuffled": dict(num_trees=512, output_len=16),
     "agent": dict(num_agents=512, steps=6, system_len=256, observation_len=64, output_len=16),
-    "mooncake-conversation": dict(num_sessions=1500),
+    "mooncake-conversation": dict(num_sessions=3000),
+    "chat": dict(num_sessions=4000),
+    "chat-long-gaps": dict(num_sessions=4000),
+    "chat-documents": dict(num_sessions=4000),
+    "system-prompts": dict(num_sessions=4000),
+    "popularity-drift": dict(num_sessions=4000),
 }
 
 
 @dataclass(frozen=True)
 class StudyRow:
-    """One replay of the study."""
+    """One cell of the study: a pure cache simulation. Sizes and hit rates are in `unit`."""
 
     workload: str
     policy: str
@@ -71,6 +83,7 @@ class StudyRow:
     requests: int
     evicted_tokens: int
     wall_seconds: float
+    unit: str = "tokens"
 
 
 def _scaled(name: str, scale: float) -> dict:
@@ -86,25 +99,31 @@ def _scaled(name: str, scale: float) -> dict:
     return kwargs
 
 
-def workload_trace(name: str, seed: int = 0, **kwargs) -> list[TraceRequest]:
-    """A synthetic workload by name: the lab's generators and `mooncake-conversation`.
+def workload_trace(name: str, seed: int = 0, block_keys: bool = True, **kwargs):
+    """A synthetic workload by name, as a list of `TraceRequest`.
 
-    `mooncake-conversation` is generated as Mooncake JSONL (blocks of `MOONCAKE_BLOCK_SIZE`
-    tokens), written to a file and read back with `read_mooncake`, so it takes the same path
-    as a published trace.
+    Workloads in `MOONCAKE_WORKLOADS` are generated as Mooncake JSONL, written to a file and
+    read back with `read_mooncake` (one key per block with `block_keys`), so they take the same
+    path as a published trace; the others come from `make_workload`.
     """
-    if name != "mooncake-conversation":
+    if name not in MOONCAKE_WORKLOADS:
         return make_workload(name, seed=seed, **kwargs)
     import tempfile
 
+    generate, block_size = MOONCAKE_WORKLOADS[name]
     try:
-        records = mooncake_conversation(block_size=MOONCAKE_BLOCK_SIZE, seed=seed, **kwargs)
+        records = generate(block_size=block_size, seed=seed, **kwargs)
     except TypeError as exc:
         raise InvalidArgumentError(f"workload {name}: {exc}") from None
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "mooncake-conversation.jsonl"
+        path = Path(tmp) / f"{name}.jsonl"
         write_mooncake(path, records)
-        return read_mooncake(path, MOONCAKE_BLOCK_SIZE)
+        return read_mooncake(path, block_size, block_keys=block_keys)
+
+
+def unit_of(name: str) -> str:
+    """What one key of a study workload is: a block of a Mooncake-format trace, or a token."""
+    return "blocks" if name in MOONCAKE_WORKLOADS else "tokens"
 
 
 @lru_cache(maxsize=4)
@@ -117,20 +136,8 @@ def replay_command(workload: str, policy: str, size: float, scale: float = 1.0) 
     """The `radixserve replay` command line that reproduces one cell of the study."""
     args = ",".join(f"{k}={v}" for k, v in _scaled(workload, scale).items())
     return (
-        f"radixserve replay workload:{workload} --workload-args {args} --eviction {policy} "
-        f"--schedule fcfs --cache {size:g}% --arrivals burst "
-        f"--max-running-requests {MAX_RUNNING_REQUESTS}"
-    )
-
-
-def study_config(policy: str, size: float) -> ReplayConfig:
-    """The replay settings of one study cell."""
-    return ReplayConfig(
-        eviction_policy=policy,
-        schedule_policy="fcfs",
-        cache_fraction=size,
-        arrivals="burst",
-        max_running_requests=MAX_RUNNING_REQUESTS,
+        f"radixserve replay workload:{workload} --workload-args {args} --cache-only "
+        f"--eviction {policy} --cache {size:g}%"
     )
 
 
@@ -139,22 +146,25 @@ def _bound(name: str, scale: float, seed: int) -> tuple[float, int]:
     return infinite_cache(study_trace(name, scale, seed))
 
 
-def run_cell(workload: str, policy: str, size: float, scale: float = 1.0, seed: int = 0):
-    """Replay one cell of the study and return its `StudyRow`."""
+def run_cell(
+    workload: str, policy: str, size: float, scale: float = 1.0, seed: int = 0
+) -> StudyRow:
+    """Simulate one cell of the study and return its `StudyRow`."""
     trace = study_trace(workload, scale, seed)
     bound, unique = _bound(workload, scale, seed)
-    result = replay(trace, study_config(policy, size), unique=unique)
+    result = simulate_cache(trace, policy, cache_fraction=size, unique=unique)
     return StudyRow(
         workload=workload,
         policy=policy,
         size_percent=size,
         kv_tokens=result.kv_tokens,
-        hit_rate=result.token_hit_rate,
+        hit_rate=result.hit_rate,
         infinite_bound=bound,
         unique_tokens=unique,
         requests=result.requests,
         evicted_tokens=result.evicted_tokens,
         wall_seconds=result.wall_seconds,
+        unit=unit_of(workload),
     )
 
 
@@ -168,7 +178,7 @@ def run_study(
     jobs: int = 1,
     progress: Callable[[StudyRow], None] | None = None,
 ) -> list[StudyRow]:
-    """Replay every (workload, policy, size); rows come back in that order."""
+    """Simulate every (workload, policy, size); rows come back in that order."""
     for name in workloads:
         _scaled(name, scale)
     if not isinstance(jobs, int) or jobs < 1:
@@ -192,11 +202,14 @@ def run_study(
 
 @dataclass(frozen=True)
 class PolicySummary:
-    """How `policy` does against LRU and Belady on one workload.
+    """How `policy` does against LRU, LFU and Belady on one workload.
 
     `gap_closed` is (policy - LRU) / (Belady - LRU), summed over `GAP_SIZES`; None where
     Belady is not ahead of LRU there by at least `min_gap` points in all, since the ratio
-    then measures noise. `worst_vs_lru` is the lowest policy - LRU over every size, in points.
+    then measures noise. `worst_vs_lru` is the lowest policy - LRU over every size, and
+    `worst_vs_classical` the lowest policy - max(LRU, LFU), in points, each with its size.
+    `lru_knee` is the smallest size at which LRU gets 95% of the infinite-cache hit rate (None
+    if no size does): the working set, so at size s the working set is lru_knee / s caches.
     """
 
     workload: str
@@ -205,21 +218,27 @@ class PolicySummary:
     gap_points: float
     worst_vs_lru: float
     worst_size: float
+    worst_vs_classical: float
+    worst_classical_size: float
+    lru_knee: float | None
 
 
 def summarize(
     rows: Iterable[StudyRow],
-    policy: str = "wgd",
+    policy: str = JUDGED,
     baseline: str = "lru",
     oracle: str = "belady",
     gap_sizes: Sequence[float] = GAP_SIZES,
     min_gap: float = 0.5,
+    classical: Sequence[str] = CLASSICAL,
 ) -> list[PolicySummary]:
-    """One `PolicySummary` per workload that has `policy`, `baseline` and `oracle` rows."""
+    """One `PolicySummary` per workload that has `policy` and `baseline` rows."""
     table: dict[tuple[str, str, float], float] = {}
+    bounds: dict[str, float] = {}
     order: list[str] = []
     for r in rows:
         table[(r.workload, r.policy, r.size_percent)] = 100 * r.hit_rate
+        bounds[r.workload] = 100 * r.infinite_bound
         if r.workload not in order:
             order.append(r.workload)
     out = []
@@ -230,13 +249,35 @@ def summarize(
             continue
         deltas = [(table[(w, policy, s)] - table[(w, baseline, s)], s) for s in sizes]
         worst, worst_size = min(deltas)
+        best_classical = [
+            (
+                table[(w, policy, s)]
+                - max(table[(w, c, s)] for c in classical if (w, c, s) in table),
+                s,
+            )
+            for s in sizes
+        ]
+        worst_classical, worst_classical_size = min(best_classical)
         gained = gap = 0.0
         for s in gap_sizes:
             if (w, oracle, s) in table and (w, policy, s) in table and (w, baseline, s) in table:
                 gained += table[(w, policy, s)] - table[(w, baseline, s)]
                 gap += table[(w, oracle, s)] - table[(w, baseline, s)]
         closed = gained / gap if gap >= min_gap else None
-        out.append(PolicySummary(w, policy, closed, gap, worst, worst_size))
+        knee = next((s for s in sizes if table[(w, baseline, s)] >= 0.95 * bounds[w]), None)
+        out.append(
+            PolicySummary(
+                w,
+                policy,
+                closed,
+                gap,
+                worst,
+                worst_size,
+                worst_classical,
+                worst_classical_size,
+                knee,
+            )
+        )
     return out
 
 
@@ -251,7 +292,7 @@ def _percent(fraction: float) -> str:
     return "0%" if text == "-0%" else text
 
 
-def _hit_table(rows: Sequence[StudyRow], workload: str, policy: str = "wgd") -> list[str]:
+def _hit_table(rows: Sequence[StudyRow], workload: str, policy: str = JUDGED) -> list[str]:
     mine = [r for r in rows if r.workload == workload]
     policies = list(dict.fromkeys(r.policy for r in mine))
     sizes = sorted({r.size_percent for r in mine})
@@ -259,7 +300,7 @@ def _hit_table(rows: Sequence[StudyRow], workload: str, policy: str = "wgd") -> 
     judged = all(p in policies for p in (policy, "lru", "belady"))
     extra = f" {policy}: gap closed |" if judged else ""
     lines = [
-        "| cache % | KV tokens | " + " | ".join(policies) + " | infinite |" + extra,
+        f"| cache % | cache {mine[0].unit} | " + " | ".join(policies) + " | infinite |" + extra,
         "|---|---|" + "---|" * (len(policies) + 1 + judged),
     ]
     for s in sizes:
@@ -285,7 +326,7 @@ def _plot(path: Path, rows: Sequence[StudyRow], workload: str, policy: str) -> N
     for name in dict.fromkeys(r.policy for r in mine):
         line = sorted((r for r in mine if r.policy == name), key=lambda r: r.size_percent)
         lines.append((name, [r.size_percent for r in line], [r.hit_rate for r in line]))
-    title = f"{workload}: token hit rate by cache size"
+    title = f"{workload}: {mine[0].unit[:-1]} hit rate by cache size"
     plot_hit_rate_lines(path, lines, mine[0].infinite_bound, title, highlight=policy)
 
 
@@ -293,51 +334,59 @@ BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 
 
 def report_markdown(
-    rows: Sequence[StudyRow], figures: str = "eviction", policy: str = "wgd", scale: float = 1.0
+    rows: Sequence[StudyRow], figures: str = "eviction", policy: str = JUDGED, scale: float = 1.0
 ) -> str:
     """The generated part of docs/eviction.md: the summary, then one table per workload."""
     summaries = summarize(rows, policy)
     workloads = list(dict.fromkeys(r.workload for r in rows))
-    gap_sizes = ", ".join(f"{s:g}" for s in GAP_SIZES)
+    gap_sizes = " and ".join(f"{s:g}" for s in GAP_SIZES)
     lines = [
-        f"Generated by `radixserve study --scale {scale:g}`; "
-        f"{len(rows)} replays, {sum(r.wall_seconds for r in rows):.0f} s of replay time.",
+        f"Generated by `radixserve study --scale {scale:g}`; {len(rows)} pure cache "
+        f"simulations, {sum(r.wall_seconds for r in rows):.0f} s of simulation time.",
         "",
-        f"### Summary: `{policy}` against LRU and Belady",
+        f"### Summary: `{policy}` against LRU, LFU and Belady",
         "",
-        f"Gap closed: ({policy} - LRU) / (Belady - LRU) in hit-rate points, summed over "
-        f"{gap_sizes}% cache; blank where Belady leads LRU by under 0.5 points there. Worst: "
-        f"the lowest {policy} - LRU over every size, in points.",
+        f"- **Gap closed:** ({policy} - LRU) / (Belady - LRU) in hit-rate points, summed over "
+        f"{gap_sizes}% cache; blank where Belady leads LRU there by under 0.5 points.",
+        f"- **Worst vs LRU** and **worst vs best classical:** the lowest {policy} - LRU and "
+        f"{policy} - max(LRU, LFU) over every size, in points (at that size, %).",
+        "- **LRU knee:** the smallest size at which LRU gets 95% of the infinite-cache hit "
+        "rate, a measure of the working set: at size s the working set is knee / s caches.",
         "",
-        "| workload | LRU→Belady gap, points | gap closed | worst vs LRU, points (at %) |",
-        "|---|---|---|---|",
+        "| workload | unit | LRU knee, % | LRU→Belady gap, points | gap closed | "
+        "worst vs LRU | worst vs best classical |",
+        "|---|---|---|---|---|---|---|",
     ]
+    units = {r.workload: r.unit for r in rows}
     for s in summaries:
         closed = "" if s.gap_closed is None else _percent(s.gap_closed)
+        knee = f"{s.lru_knee:g}" if s.lru_knee is not None else f"> {max(SIZES):g}"
         lines.append(
-            f"| {s.workload} | {s.gap_points:.1f} | {closed} | "
-            f"{s.worst_vs_lru:+.1f} ({s.worst_size:g}) |"
+            f"| {s.workload} | {units[s.workload]} | {knee} | {s.gap_points:.1f} | {closed} | "
+            f"{s.worst_vs_lru:+.1f} ({s.worst_size:g}) | "
+            f"{s.worst_vs_classical:+.1f} ({s.worst_classical_size:g}) |"
         )
     mean = mean_gap_closed(summaries)
-    worst = min(summaries, key=lambda s: s.worst_vs_lru) if summaries else None
-    lines += [
-        "",
-        f"Mean gap closed over the workloads with a gap: **{100 * mean:.0f}%**. "
-        + (
+    if summaries:
+        worst = min(summaries, key=lambda s: s.worst_vs_lru)
+        worst_c = min(summaries, key=lambda s: s.worst_vs_classical)
+        lines += [
+            "",
+            f"Mean gap closed over the workloads with a gap: **{100 * mean:.0f}%**. "
             f"Worst case against LRU: **{worst.worst_vs_lru:+.1f} points** "
-            f"({worst.workload}, {worst.worst_size:g}% cache)."
-            if worst
-            else ""
-        ),
-        "",
-    ]
+            f"({worst.workload}, {worst.worst_size:g}% cache). Worst case against the better "
+            f"of LRU and LFU: **{worst_c.worst_vs_classical:+.1f} points** "
+            f"({worst_c.workload}, {worst_c.worst_classical_size:g}% cache).",
+        ]
+    lines.append("")
     for w in workloads:
         first = next(r for r in rows if r.workload == w)
+        unit = first.unit
         lines += [
             f"### {w}",
             "",
-            f"{first.requests:,} requests, {first.unique_tokens:,} unique tokens. Token hit "
-            "rate, %:",
+            f"{first.requests:,} requests, {first.unique_tokens:,} unique {unit}. "
+            f"{unit[:-1].capitalize()} hit rate, %:",
             "",
             *_hit_table(rows, w, policy),
             "",
@@ -351,7 +400,7 @@ def write_report(
     out_dir: str | Path,
     rows: Sequence[StudyRow],
     markdown: str | Path | None = None,
-    policy: str = "wgd",
+    policy: str = JUDGED,
     scale: float = 1.0,
 ) -> Path:
     """Write `study.json` and one PNG per workload under `out_dir`, and the markdown report.

@@ -4,7 +4,10 @@ Mooncake JSONL (the FAST'25 traces): one request per line with `timestamp` (ms),
 `input_length`, `output_length` and `hash_ids`. Each hash id names a block of `block_size`
 tokens (512 in the published traces): equal ids mean equal content, and a request's prompt is
 its blocks in order, cut to `input_length`. Block `h` becomes the token ids
-`h * block_size + [0, block_size)`, so distinct ids give distinct blocks.
+`h * block_size + [0, block_size)`, so distinct ids give distinct blocks. With `block_keys`
+each block is instead one key, the token id `h`: a 512-token block is one unit of cache, the
+prompt is its `ceil(input_length / block_size)` blocks (a partial last block counts whole), and
+hit rates are block hit rates, as cache studies of these traces report them.
 
 radixserve JSONL: one request per line with `input_ids` (a list of token ids) and optionally
 `rid`, `arrival` (seconds), `output_len` (default 128), `output_ids` (what the model will
@@ -66,8 +69,11 @@ def _int_field(path: Path, line_no: int, record: dict, name: str, lo: int = 0) -
     return value
 
 
-def read_mooncake(path: str | Path, block_size: int = 512) -> list[TraceRequest]:
-    """Read a Mooncake JSONL trace; prompts are built from `hash_ids` blocks."""
+def read_mooncake(
+    path: str | Path, block_size: int = 512, *, block_keys: bool = False
+) -> list[TraceRequest]:
+    """Read a Mooncake JSONL trace; prompts are built from `hash_ids` blocks (one key per block
+    with `block_keys`, else `block_size` token ids per block)."""
     path = Path(path)
     if not isinstance(block_size, int) or block_size < 1:
         raise InvalidArgumentError(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -91,9 +97,14 @@ def read_mooncake(path: str | Path, block_size: int = 512) -> list[TraceRequest]
                 f"input_length {input_len} exceeds {len(hash_ids)} blocks of {block_size}",
             )
         blocks = np.asarray(hash_ids[: -(-input_len // block_size)], dtype=np.int64)
-        if blocks.size and (blocks.max() + 1) * block_size > _TOKEN_LIMIT:
+        scale = 1 if block_keys else block_size
+        if blocks.size and (blocks.max() + 1) * scale > _TOKEN_LIMIT:
             raise _fail(path, line_no, "a hash id is too large for int32 token ids")
-        tokens = (blocks[:, None] * block_size + offsets).ravel()[:input_len]
+        if block_keys:
+            tokens = blocks
+            output_len = -(-output_len // block_size)
+        else:
+            tokens = (blocks[:, None] * block_size + offsets).ravel()[:input_len]
         out.append(
             TraceRequest(
                 rid=str(record.get("rid", f"req-{len(out)}")),
@@ -175,18 +186,28 @@ def write_mooncake(path: str | Path, records: Iterable[dict]) -> None:
             handle.write(json.dumps(record) + "\n")
 
 
-def load_trace(path: str | Path, fmt: str = "auto", block_size: int = 512) -> list[TraceRequest]:
-    """Read a trace file; `fmt` is `mooncake`, `tokens`, or `auto` (sniffed from line one)."""
+def sniff_format(path: str | Path) -> str:
+    """`mooncake` if the first record of the trace file has `hash_ids`, else `tokens`."""
     path = Path(path)
     if not path.is_file():
         raise InvalidArgumentError(f"trace file {path} does not exist")
+    for _, record in _records(path):
+        return "mooncake" if "hash_ids" in record else "tokens"
+    return "tokens"
+
+
+def load_trace(
+    path: str | Path, fmt: str = "auto", block_size: int = 512, *, block_keys: bool = False
+) -> list[TraceRequest]:
+    """Read a trace file; `fmt` is `mooncake`, `tokens`, or `auto` (sniffed from line one).
+    `block_keys` applies to Mooncake traces (see `read_mooncake`)."""
+    path = Path(path)
     if fmt == "auto":
-        fmt = "tokens"
-        for _, record in _records(path):
-            fmt = "mooncake" if "hash_ids" in record else "tokens"
-            break
+        fmt = sniff_format(path)
+    elif not path.is_file():
+        raise InvalidArgumentError(f"trace file {path} does not exist")
     if fmt == "mooncake":
-        return read_mooncake(path, block_size)
+        return read_mooncake(path, block_size, block_keys=block_keys)
     if fmt == "tokens":
         return read_token_jsonl(path)
     raise InvalidArgumentError(f"trace format must be auto, mooncake or tokens, got {fmt!r}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
@@ -291,6 +292,90 @@ def mooncake_conversation(
     return records
 
 
+def chat_traffic(
+    num_sessions: int = 4000,
+    duration_s: float = 4 * 3600.0,
+    num_apps: int = 200,
+    app_zipf: float = 1.0,
+    system_blocks: tuple[int, int] = (1, 8),
+    mean_turns: float = 2.5,
+    message_blocks: tuple[int, int] = (1, 3),
+    answer_blocks: tuple[int, int] = (0, 2),
+    think_median_s: float = 60.0,
+    think_sigma: float = 1.5,
+    doc_share: float = 0.2,
+    doc_blocks: tuple[int, int] = (8, 64),
+    drift_every_s: float | None = None,
+    block_size: int = 512,
+    seed: int = 0,
+) -> list[dict]:
+    """Mooncake JSONL records of production-style chat traffic, one record per turn.
+
+    Sessions start uniformly over `duration_s`. Each belongs to an application picked by
+    Zipf(`app_zipf`) popularity and opens with that application's system prompt
+    (`system_blocks` blocks, shared by all its sessions). A session runs a geometric number of
+    turns (mean `mean_turns`): each turn's prompt is the whole history, the previous answer
+    (`answer_blocks`) and a new message (`message_blocks`). With probability `doc_share` a
+    message carries a long document (`doc_blocks` more blocks), which later turns quote, and
+    which is never seen again if the session ends there. Think times between turns are
+    lognormal with median `think_median_s` and shape `think_sigma`: at 1.5 one gap in ten is
+    over 6.8 x the median, so sessions come back after long and varied absences.
+    With `drift_every_s` the applications' popularity ranks are reshuffled at that interval,
+    as traffic moves over a day. Block ids are unique per content; a record's
+    `input_length` ends inside its last block.
+    """
+    _positive(num_sessions=num_sessions, num_apps=num_apps, block_size=block_size)
+    for name, (lo, hi) in (
+        ("system_blocks", system_blocks),
+        ("message_blocks", message_blocks),
+        ("doc_blocks", doc_blocks),
+    ):
+        if not 1 <= lo <= hi:
+            raise InvalidArgumentError(f"{name} must be (lo, hi) with 1 <= lo <= hi")
+    if not 0 <= answer_blocks[0] <= answer_blocks[1]:
+        raise InvalidArgumentError("answer_blocks must be (lo, hi) with 0 <= lo <= hi")
+    if not mean_turns >= 1 or not 0 <= doc_share <= 1 or not duration_s > 0:
+        raise InvalidArgumentError("need mean_turns >= 1, 0 <= doc_share <= 1, duration_s > 0")
+    if not think_median_s > 0 or not think_sigma >= 0:
+        raise InvalidArgumentError("need think_median_s > 0 and think_sigma >= 0")
+    if drift_every_s is not None and not drift_every_s > 0:
+        raise InvalidArgumentError(f"drift_every_s must be > 0 or None, got {drift_every_s!r}")
+    rng = np.random.default_rng(seed)
+    next_block = itertools.count()
+
+    def blocks(bounds: tuple[int, int]) -> list[int]:
+        return [next(next_block) for _ in range(int(rng.integers(bounds[0], bounds[1] + 1)))]
+
+    systems = [blocks(system_blocks) for _ in range(num_apps)]
+    weights = 1.0 / np.arange(1, num_apps + 1) ** app_zipf
+    weights /= weights.sum()
+    phases = 1 if drift_every_s is None else int(duration_s // drift_every_s) + 1
+    ranks = [rng.permutation(num_apps) for _ in range(phases)]
+    records = []
+    for start in np.sort(rng.uniform(0.0, duration_s, num_sessions)):
+        phase = 0 if drift_every_s is None else int(start // drift_every_s)
+        app = int(ranks[phase][rng.choice(num_apps, p=weights)])
+        history = list(systems[app])
+        t = float(start)
+        for turn in range(int(rng.geometric(1.0 / mean_turns))):
+            if turn:
+                history += blocks(answer_blocks) if answer_blocks[1] else []
+                t += float(think_median_s * np.exp(think_sigma * rng.standard_normal()))
+            history += blocks(message_blocks)
+            if rng.random() < doc_share:
+                history += blocks(doc_blocks)
+            records.append(
+                {
+                    "timestamp": round(t * 1000),
+                    "input_length": len(history) * block_size - int(rng.integers(block_size)),
+                    "output_length": int(rng.integers(16, 512)),
+                    "hash_ids": list(history),
+                }
+            )
+    records.sort(key=lambda r: r["timestamp"])
+    return records
+
+
 WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
     "shared-prefix": shared_prefix,
     "shared-prefix-zipf": lambda **kw: shared_prefix(zipf=kw.pop("zipf", 1.1), **kw),
@@ -300,6 +385,30 @@ WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {
     "tree-of-thought": tree_of_thought,
     "tree-of-thought-shuffled": lambda **kw: tree_of_thought(order="shuffled", **kw),
     "agent": agent_sessions,
+}
+
+
+# Workloads generated as Mooncake JSONL records: name -> (generator, block size in tokens).
+MOONCAKE_WORKLOADS: dict[str, tuple[Callable[..., list[dict]], int]] = {
+    "mooncake-conversation": (mooncake_conversation, 16),
+    "chat": (chat_traffic, 512),
+    "chat-long-gaps": (partial(chat_traffic, think_median_s=900.0, think_sigma=2.0), 512),
+    "chat-documents": (partial(chat_traffic, doc_share=0.5, mean_turns=1.5), 512),
+    "system-prompts": (
+        partial(chat_traffic, num_apps=2000, mean_turns=1.0, doc_share=0.0, system_blocks=(2, 16)),
+        512,
+    ),
+    "popularity-drift": (
+        partial(
+            chat_traffic,
+            num_apps=1000,
+            mean_turns=1.2,
+            doc_share=0.05,
+            system_blocks=(2, 16),
+            drift_every_s=1800.0,
+        ),
+        512,
+    ),
 }
 
 

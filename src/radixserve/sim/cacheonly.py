@@ -1,0 +1,147 @@
+"""Pure cache simulation: the radix cache alone, serving a trace in arrival order.
+
+This is the classical comparison of eviction policies, the one the literature reports: no
+scheduler, no queue and no cost model, so what is resident when a request arrives depends only
+on the policy. Each request, in trace order:
+
+1. `match_prefix` on its prompt; the matched tokens are its hits (whole pages, the whole prompt
+   may match: a cached page's KV is reusable entirely);
+2. the path is locked, and the policy's victims are evicted until the new pages fit;
+3. its prompt, then its answer where the trace knows it (`output_ids`), is inserted and the path
+   unlocked.
+
+The cache is the server's `RadixCache` with the policy by name, so a policy is measured by the
+code that serves. `belady` is the offline oracle of `radixserve.sim.oracle`, reading the
+trace's future.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+
+import numpy as np
+from tqdm import tqdm
+
+from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
+from radixserve.cache.radix import RadixCache
+from radixserve.errors import InvalidArgumentError
+from radixserve.sched.request import pages
+from radixserve.sim.oracle import BeladyPolicy, served_sequence, unique_tokens
+from radixserve.sim.replay import make_policy
+from radixserve.sim.traces import TraceRequest
+
+
+@dataclass
+class CacheOnlyResult:
+    """What one pure cache simulation measured (`hit_rate` is over prompt tokens)."""
+
+    eviction_policy: str
+    kv_tokens_requested: int
+    kv_tokens: int
+    cache_fraction: float
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    evicted_tokens: int
+    wall_seconds: float
+    us_per_request: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def capacity(
+    trace: Sequence[TraceRequest],
+    unique: int,
+    page_size: int,
+    kv_tokens: int | None,
+    cache_fraction: float | None,
+) -> tuple[int, int]:
+    """(asked, used) KV tokens. `cache_fraction` is a percentage of `unique`; the pool is never
+    smaller than the largest request, below which that request could not be served at all."""
+    if (kv_tokens is None) == (cache_fraction is None):
+        raise InvalidArgumentError("give exactly one of kv_tokens and cache_fraction")
+    if kv_tokens is not None:
+        if not isinstance(kv_tokens, int) or kv_tokens < 1:
+            raise InvalidArgumentError(f"kv_tokens must be an integer >= 1, got {kv_tokens!r}")
+        asked = kv_tokens
+    else:
+        if not 0 < cache_fraction <= 100:
+            raise InvalidArgumentError(f"cache_fraction must be in (0, 100], got {cache_fraction}")
+        asked = max(1, round(cache_fraction / 100.0 * unique))
+    largest = max(len(served_sequence(r)) for r in trace)
+    return asked, pages(max(asked, largest), page_size)
+
+
+def simulate_cache(
+    trace: Sequence[TraceRequest],
+    eviction_policy: str = "lru",
+    *,
+    kv_tokens: int | None = None,
+    cache_fraction: float | None = None,
+    page_size: int = 1,
+    unique: int | None = None,
+    check_invariants: bool = False,
+    progress: bool = False,
+) -> CacheOnlyResult:
+    """Serve `trace` through a `RadixCache` alone, in arrival order, and count prompt hits.
+
+    Give the capacity as `kv_tokens` or `cache_fraction` (percent of the trace's unique tokens;
+    `unique` may pass a precomputed `unique_tokens(trace)`). With `check_invariants` the cache's
+    invariant check runs after every request.
+    """
+    if not trace:
+        raise InvalidArgumentError("the trace is empty")
+    if unique is None and cache_fraction is not None:
+        unique = unique_tokens(trace)
+    asked, used = capacity(trace, unique or 0, page_size, kv_tokens, cache_fraction)
+    allocator = PagedTokenToKVPoolAllocator(used, page_size)
+    policy = make_policy(eviction_policy, trace, page_size, whole_prompt=True)
+    now = [0.0]  # a logical clock: one tick per request, so runs are deterministic
+    cache = RadixCache(allocator, page_size=page_size, eviction_policy=policy, clock=lambda: now[0])
+    on_admit = policy.on_admit if isinstance(policy, BeladyPolicy) else None
+    hits = prompt_tokens = evicted = 0
+    started = time.perf_counter()
+    for r in tqdm(trace, desc="cache-only", unit="req", disable=not progress, leave=False):
+        now[0] += 1.0
+        match = cache.match_prefix(r.input_ids)
+        hits += match.prefix_len
+        prompt_tokens += len(r.input_ids)
+        if on_admit is not None:
+            on_admit(SimpleNamespace(rid=r.rid, last_node=match.last_node))
+        seq = served_sequence(r)
+        aligned = len(seq) - len(seq) % page_size
+        new = aligned - match.prefix_len
+        if new > 0:
+            cache.inc_lock_ref(match.last_node)
+            short = new - allocator.available_size()
+            if short > 0:
+                evicted += cache.evict(short)
+            slots = allocator.alloc(new)
+            if slots is None:  # cannot happen: the pool holds the largest request
+                raise RuntimeError("the pool could not hold a request after eviction")
+            cached = cache.insert(seq[:aligned], np.concatenate([match.indices, slots]))
+            if cached > match.prefix_len:
+                allocator.free(slots[: cached - match.prefix_len])
+            cache.dec_lock_ref(match.last_node)
+        if check_invariants:
+            cache.check_invariants()
+    wall = time.perf_counter() - started
+    return CacheOnlyResult(
+        eviction_policy=eviction_policy,
+        kv_tokens_requested=asked,
+        kv_tokens=used,
+        cache_fraction=used / unique if unique else math.nan,
+        requests=len(trace),
+        prompt_tokens=prompt_tokens,
+        hit_tokens=hits,
+        hit_rate=hits / prompt_tokens if prompt_tokens else 0.0,
+        evicted_tokens=evicted,
+        wall_seconds=wall,
+        us_per_request=wall / len(trace) * 1e6,
+    )

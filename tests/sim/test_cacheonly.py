@@ -1,0 +1,115 @@
+"""Pure cache simulation: exact hit counting, block keys, and the CLI's --cache-only mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from radixserve.cli import main
+from radixserve.errors import InvalidArgumentError
+from radixserve.sim.cacheonly import simulate_cache
+from radixserve.sim.oracle import unique_tokens
+from radixserve.sim.traces import TraceRequest, read_mooncake, write_mooncake
+from radixserve.sim.workloads import chat_traffic, make_workload
+
+
+def _trace(prompts) -> list[TraceRequest]:
+    return [
+        TraceRequest(f"r{i}", float(i), np.asarray(p, dtype=np.int32), 4)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def test_hits_are_counted_exactly_under_lru():
+    a, b, c = list(range(10)), list(range(100, 110)), list(range(200, 210))
+    trace = _trace([a, [*a, 1, 2], b, a, c, b])
+    result = simulate_cache(trace, "lru", kv_tokens=20, check_invariants=True)
+    assert result.prompt_tokens == 10 + 12 + 10 + 10 + 10 + 10
+    # r1 reuses a; r2 (b) evicts the leaf [1, 2]; r3 reuses a; r4 (c) evicts b, used before a;
+    # r5 (b) misses and evicts a.
+    assert result.hit_tokens == 10 + 10
+    assert result.evicted_tokens == 2 + 10 + 10
+
+
+def test_the_largest_request_always_fits():
+    trace = _trace([list(range(50)), list(range(50))])
+    result = simulate_cache(trace, "lru", kv_tokens=4)
+    assert result.kv_tokens_requested == 4 and result.kv_tokens == 50
+    assert result.hit_tokens == 50
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "slru", "wgd", "adaptive", "belady"])
+def test_every_policy_keeps_the_invariants(policy):
+    trace = make_workload("multi-turn-random", num_sessions=12, turns=4, system_len=32, seed=0)
+    result = simulate_cache(trace, policy, cache_fraction=10, check_invariants=True)
+    assert result.requests == len(trace) and result.evicted_tokens > 0
+    assert 0 <= result.hit_rate <= 1
+
+
+def test_belady_is_an_upper_reference_for_the_online_policies():
+    trace = make_workload("shared-prefix", num_groups=12, prompts_per_group=6, system_len=64)
+    unique = unique_tokens(trace)
+    rates = {
+        p: simulate_cache(trace, p, cache_fraction=5, unique=unique).hit_rate
+        for p in ("lru", "lfu", "belady")
+    }
+    assert rates["belady"] >= max(rates["lru"], rates["lfu"])
+
+
+def test_block_keys_give_the_token_level_hit_rate_when_blocks_are_whole(tmp_path):
+    records = chat_traffic(num_sessions=120, num_apps=5, block_size=8, seed=3)
+    for record in records:  # whole blocks only: no partial last block
+        record["input_length"] = 8 * len(record["hash_ids"])
+    path = tmp_path / "trace.jsonl"
+    write_mooncake(path, records)
+    blocks = read_mooncake(path, 8, block_keys=True)
+    tokens = read_mooncake(path, 8)
+    assert [len(r.input_ids) for r in blocks] == [len(rec["hash_ids"]) for rec in records]
+    for size_blocks in (40, 200):
+        by_block = simulate_cache(blocks, "lru", kv_tokens=size_blocks)
+        by_token = simulate_cache(tokens, "lru", kv_tokens=8 * size_blocks, page_size=8)
+        assert by_block.hit_rate == pytest.approx(by_token.hit_rate, abs=1e-12)
+        assert 8 * by_block.evicted_tokens == by_token.evicted_tokens
+
+
+def test_a_partial_last_block_counts_whole_with_block_keys(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    write_mooncake(
+        path,
+        [
+            {"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [4, 5]},
+            {"timestamp": 1, "input_length": 16, "output_length": 1, "hash_ids": [4, 5]},
+        ],
+    )
+    blocks = read_mooncake(path, 8, block_keys=True)
+    assert [r.input_ids.tolist() for r in blocks] == [[4, 5], [4, 5]]
+    assert simulate_cache(blocks, "lru", kv_tokens=10).hit_rate == 0.5
+    tokens = read_mooncake(path, 8)
+    # Token level at page 8: only the first page was whole in request 0, so 8 of 25 tokens hit.
+    assert simulate_cache(tokens, "lru", kv_tokens=80, page_size=8).hit_tokens == 8
+
+
+def test_bad_capacities_are_refused():
+    trace = _trace([[1, 2, 3]])
+    for kwargs in (dict(), dict(kv_tokens=4, cache_fraction=5), dict(kv_tokens=0)):
+        with pytest.raises(InvalidArgumentError):
+            simulate_cache(trace, "lru", **kwargs)
+    with pytest.raises(InvalidArgumentError):
+        simulate_cache([], "lru", kv_tokens=4)
+    with pytest.raises(InvalidArgumentError):
+        simulate_cache(trace, "no-such-policy", kv_tokens=4)
+
+
+def test_the_cli_runs_a_mooncake_trace_by_blocks(tmp_path, capsys):
+    path = tmp_path / "trace.jsonl"
+    write_mooncake(path, chat_traffic(num_sessions=60, num_apps=4, seed=1))
+    out = tmp_path / "out"
+    argv = ["replay", str(path), "--cache-only", "--eviction", "lru,adaptive,belady"]
+    assert main([*argv, "--cache", "5%,20%", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "unique blocks, no scheduler" in text and "| cache blocks |" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| lru", "| adapt", "| bel"))]
+    assert len(rows) == 6
+    assert (out / "cache_only.json").is_file()
+    assert main([*argv, "--keys", "tokens", "--cache", "5%"]) == 0
+    assert "unique tokens" in capsys.readouterr().out
