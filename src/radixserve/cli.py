@@ -80,6 +80,7 @@ def _load(
     seed: int,
     workload_args: str | None = None,
     block_keys: bool = False,
+    skip_bad_lines: bool = False,
 ):
     from radixserve.sim.study import workload_trace
     from radixserve.sim.traces import load_trace
@@ -94,7 +95,14 @@ def _load(
             raise InvalidArgumentError(f"--workload-args: {exc}") from None
     if workload_args:
         raise InvalidArgumentError("--workload-args applies only to workload:NAME traces")
-    return load_trace(trace, fmt=fmt, block_size=block_size, block_keys=block_keys)
+    skipped: list[str] | None = [] if skip_bad_lines else None
+    requests = load_trace(
+        trace, fmt=fmt, block_size=block_size, block_keys=block_keys, skipped=skipped
+    )
+    if skipped:
+        log.warning("skipped %d bad lines of %s; the first: %s", len(skipped), trace, skipped[0])
+        print(f"skipped {len(skipped)} bad lines (--skip-bad-lines); the first: {skipped[0]}")
+    return requests
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -105,7 +113,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     keys = args.keys if args.keys != "auto" else ("blocks" if args.cache_only else "tokens")
     trace = _load(
-        args.trace, args.format, args.block_size, args.seed, args.workload_args, keys == "blocks"
+        args.trace,
+        args.format,
+        args.block_size,
+        args.seed,
+        args.workload_args,
+        keys == "blocks",
+        args.skip_bad_lines,
     )
     evictions = _split(args.eviction)
     sizes = parse_cache_sizes(args.cache)
@@ -382,6 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="Mooncake traces: one key per block, or block-size token ids per block "
         "(auto: blocks with --cache-only, else tokens)",
+    )
+    rp.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="leave out trace lines that fail validation, and report how many",
     )
     rp.add_argument("--out", help="directory for replay.csv, replay.json and hit_rate.png")
     rp.set_defaults(func=cmd_replay)

@@ -68,8 +68,8 @@ def test_report_has_a_summary_a_table_and_a_png_per_workload(rows, tmp_path):
             line for line in table.splitlines() if line[:3].startswith("| ") and line[2].isdigit()
         ]
         assert len(body) == len(SIZES)
-        assert all(len(line.split("|")) == len(POLICIES) + 6 for line in body)
-        assert "adaptive: gap closed" in table
+        assert all(len(line.split("|")) == len(POLICIES) + 7 for line in body)
+        assert "adaptive: gap closed" in table and "adaptive - best of lru, lfu" in table
     data = json.loads((tmp_path / "eviction" / "study.json").read_text())
     assert len(data) == len(rows) and data[0]["workload"] == WORKLOADS[0]
     write_report(tmp_path / "eviction", rows, markdown=md, scale=SCALE)

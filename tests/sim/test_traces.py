@@ -51,7 +51,18 @@ def test_mooncake_replay_reproduces_the_hand_computed_hit_rate(tmp_path):
 @pytest.mark.parametrize(
     "record, message",
     [
-        ({"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [1, 2]}, "exceeds"),
+        (
+            {"timestamp": 9, "input_length": 9, "output_length": 1, "hash_ids": [1, 2]},
+            "hash_ids has 2 blocks but input_length 9 needs 3 blocks of 4",
+        ),
+        (
+            {"timestamp": 9, "input_length": 4, "output_length": 1, "hash_ids": [1, 2]},
+            "hash_ids has 2 blocks but input_length 4 needs 1 blocks",
+        ),
+        (
+            {"timestamp": -5, "input_length": 1, "output_length": 1, "hash_ids": [1]},
+            "timestamp -5 ms is before line 1's 0 ms",
+        ),
         ({"timestamp": "x", "input_length": 1, "output_length": 1, "hash_ids": [1]}, "timestamp"),
         ({"timestamp": 0, "input_length": 1, "output_length": -1, "hash_ids": [1]}, "output"),
         ({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [-1]}, "hash_ids"),
@@ -61,6 +72,44 @@ def test_mooncake_errors_name_the_line_and_field(tmp_path, record, message):
     path = write_lines(tmp_path / "t.jsonl", [MOONCAKE[0], record])
     with pytest.raises(InvalidArgumentError, match=f"t.jsonl:2: .*{message}"):
         read_mooncake(path, block_size=4)
+
+
+def test_an_empty_trace_is_refused(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(InvalidArgumentError, match="empty.jsonl: the trace holds no requests"):
+        load_trace(path)
+    path.write_text('{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1]}\n')
+    with pytest.raises(InvalidArgumentError, match=r"no requests \(1 bad lines skipped\)"):
+        read_mooncake(path, 4, skipped=[])
+
+
+def test_bad_lines_can_be_skipped_and_are_counted(tmp_path, capsys):
+    from radixserve.cli import main
+
+    lines = [
+        json.dumps(MOONCAKE[0]),
+        "{not json",
+        json.dumps({**MOONCAKE[1], "hash_ids": [1]}),
+        json.dumps({**MOONCAKE[1], "timestamp": -1}),
+        "[1, 2]",
+        json.dumps(MOONCAKE[2]),
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(InvalidArgumentError, match="t.jsonl:2: not JSON"):
+        read_mooncake(path, 4)
+    skipped: list[str] = []
+    trace = read_mooncake(path, 4, skipped=skipped)
+    assert [r.arrival for r in trace] == [0.0, 0.02]
+    assert [m.split(": ", 1)[0].rsplit(":", 1)[1] for m in skipped] == ["2", "3", "4", "5"]
+    argv = ["replay", str(path), "--block-size", "4", "--cache-only", "--cache", "100"]
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2, "the CLI refuses the first bad line, without a traceback"
+    assert "t.jsonl:2: not JSON" in capsys.readouterr().err
+    assert main([*argv, "--skip-bad-lines"]) == 0
+    assert "skipped 4 bad lines" in capsys.readouterr().out
 
 
 def test_malformed_json_names_the_line(tmp_path):

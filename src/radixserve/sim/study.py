@@ -298,10 +298,12 @@ def _hit_table(rows: Sequence[StudyRow], workload: str, policy: str = JUDGED) ->
     sizes = sorted({r.size_percent for r in mine})
     cell = {(r.policy, r.size_percent): r for r in mine}
     judged = all(p in policies for p in (policy, "lru", "belady"))
+    versus = policy in policies and all(c in policies for c in CLASSICAL)
     extra = f" {policy}: gap closed |" if judged else ""
+    extra += f" {policy} - best of {', '.join(CLASSICAL)} |" if versus else ""
     lines = [
         f"| cache % | cache {mine[0].unit} | " + " | ".join(policies) + " | infinite |" + extra,
-        "|---|---|" + "---|" * (len(policies) + 1 + judged),
+        "|---|---|" + "---|" * (len(policies) + 1 + judged + versus),
     ]
     for s in sizes:
         any_row = next(cell[(p, s)] for p in policies if (p, s) in cell)
@@ -311,11 +313,13 @@ def _hit_table(rows: Sequence[StudyRow], workload: str, policy: str = JUDGED) ->
             + " | ".join(values)
             + f" | {100 * any_row.infinite_bound:.1f} |"
         )
+        hit = {p: 100 * cell[(p, s)].hit_rate for p in policies if (p, s) in cell}
         if judged:
-            hit = {p: 100 * cell[(p, s)].hit_rate for p in (policy, "lru", "belady")}
             gap = hit["belady"] - hit["lru"]
             closed = (hit[policy] - hit["lru"]) / gap if gap >= 0.5 else None
             line += f" {_percent(closed)} |" if closed is not None else " |"
+        if versus:
+            line += f" {hit[policy] - max(hit[c] for c in CLASSICAL):+.1f} |"
         lines.append(line)
     return lines
 

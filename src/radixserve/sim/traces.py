@@ -18,7 +18,7 @@ must finish before this one is sent, as a chat client waits for the previous ans
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,11 +55,49 @@ def _records(path: Path) -> Iterable[tuple[int, dict]]:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise _fail(path, line_no, f"not JSON: {exc.msg}") from None
+            except (json.JSONDecodeError, RecursionError) as exc:
+                message = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+                yield line_no, _fail(path, line_no, f"not JSON: {message}")
+                continue
             if not isinstance(record, dict):
-                raise _fail(path, line_no, "each line must be a JSON object")
+                yield line_no, _fail(path, line_no, "each line must be a JSON object")
+                continue
             yield line_no, record
+
+
+def _parse_lines(
+    path: Path,
+    parse: Callable[[int, dict, int], TraceRequest],
+    skipped: list[str] | None,
+    ordered: bool,
+) -> list[TraceRequest]:
+    """`parse(line_no, record, index)` for every line. A bad line raises, or with `skipped`
+    is recorded there and left out. With `ordered`, arrivals must not decrease."""
+    out: list[TraceRequest] = []
+    last_line = 0
+    for line_no, record in _records(path):
+        try:
+            if isinstance(record, InvalidArgumentError):
+                raise record
+            request = parse(line_no, record, len(out))
+            if ordered and out and request.arrival < out[-1].arrival:
+                raise _fail(
+                    path,
+                    line_no,
+                    f"timestamp {1000 * request.arrival:g} ms is before line {last_line}'s "
+                    f"{1000 * out[-1].arrival:g} ms: a trace must be in timestamp order",
+                )
+        except InvalidArgumentError as exc:
+            if skipped is None:
+                raise
+            skipped.append(str(exc))
+            continue
+        out.append(request)
+        last_line = line_no
+    if not out:
+        extra = f" ({len(skipped)} bad lines skipped)" if skipped else ""
+        raise InvalidArgumentError(f"{path}: the trace holds no requests{extra}")
+    return out
 
 
 def _int_field(path: Path, line_no: int, record: dict, name: str, lo: int = 0) -> int:
@@ -70,16 +108,26 @@ def _int_field(path: Path, line_no: int, record: dict, name: str, lo: int = 0) -
 
 
 def read_mooncake(
-    path: str | Path, block_size: int = 512, *, block_keys: bool = False
+    path: str | Path,
+    block_size: int = 512,
+    *,
+    block_keys: bool = False,
+    skipped: list[str] | None = None,
 ) -> list[TraceRequest]:
     """Read a Mooncake JSONL trace; prompts are built from `hash_ids` blocks (one key per block
-    with `block_keys`, else `block_size` token ids per block)."""
+    with `block_keys`, else `block_size` token ids per block).
+
+    Raises `InvalidArgumentError` naming the line and field of the first bad line: not JSON, a
+    missing or mistyped field, `hash_ids` whose length is not ceil(input_length / block_size),
+    or a timestamp before the previous line's. Given a list as `skipped`, bad lines are left
+    out and their messages appended there instead. An empty trace is an error.
+    """
     path = Path(path)
     if not isinstance(block_size, int) or block_size < 1:
         raise InvalidArgumentError(f"block_size must be an integer >= 1, got {block_size!r}")
     offsets = np.arange(block_size, dtype=np.int64)
-    out = []
-    for line_no, record in _records(path):
+
+    def parse(line_no: int, record: dict, index: int) -> TraceRequest:
         timestamp = record.get("timestamp")
         if not isinstance(timestamp, (int, float)) or isinstance(timestamp, bool):
             raise _fail(path, line_no, f"timestamp must be a number (ms), got {timestamp!r}")
@@ -90,13 +138,15 @@ def read_mooncake(
             isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
         ):
             raise _fail(path, line_no, "hash_ids must be a list of non-negative integers")
-        if input_len > len(hash_ids) * block_size:
+        needed = -(-input_len // block_size)
+        if len(hash_ids) != needed:
             raise _fail(
                 path,
                 line_no,
-                f"input_length {input_len} exceeds {len(hash_ids)} blocks of {block_size}",
+                f"hash_ids has {len(hash_ids)} blocks but input_length {input_len} needs "
+                f"{needed} blocks of {block_size}",
             )
-        blocks = np.asarray(hash_ids[: -(-input_len // block_size)], dtype=np.int64)
+        blocks = np.asarray(hash_ids, dtype=np.int64)
         scale = 1 if block_keys else block_size
         if blocks.size and (blocks.max() + 1) * scale > _TOKEN_LIMIT:
             raise _fail(path, line_no, "a hash id is too large for int32 token ids")
@@ -105,27 +155,30 @@ def read_mooncake(
             output_len = -(-output_len // block_size)
         else:
             tokens = (blocks[:, None] * block_size + offsets).ravel()[:input_len]
-        out.append(
-            TraceRequest(
-                rid=str(record.get("rid", f"req-{len(out)}")),
-                arrival=float(timestamp) / 1000.0,
-                input_ids=tokens.astype(TOKEN_DTYPE),
-                output_len=output_len,
-            )
+        return TraceRequest(
+            rid=str(record.get("rid", f"req-{index}")),
+            arrival=float(timestamp) / 1000.0,
+            input_ids=tokens.astype(TOKEN_DTYPE),
+            output_len=output_len,
         )
-    return sorted(out, key=lambda r: r.arrival)
+
+    return _parse_lines(path, parse, skipped, ordered=True)
 
 
-def read_token_jsonl(path: str | Path) -> list[TraceRequest]:
-    """Read radixserve's own JSONL trace (explicit token ids)."""
+def read_token_jsonl(path: str | Path, *, skipped: list[str] | None = None) -> list[TraceRequest]:
+    """Read radixserve's own JSONL trace (explicit token ids), sorted by arrival.
+
+    Bad lines raise `InvalidArgumentError` naming the line and field, or with a `skipped` list
+    are left out and recorded there (see `read_mooncake`). An empty trace is an error.
+    """
     path = Path(path)
-    out = []
-    for line_no, record in _records(path):
+
+    def parse(line_no: int, record: dict, index: int) -> TraceRequest:
         ids = record.get("input_ids")
         if not isinstance(ids, list) or not ids:
             raise _fail(path, line_no, "input_ids must be a non-empty list of token ids")
         arr = np.asarray(ids)
-        if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > _TOKEN_LIMIT:
+        if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > _TOKEN_LIMIT:
             raise _fail(path, line_no, "input_ids must be integers in [0, 2**31)")
         output_ids = record.get("output_ids")
         out_arr = None
@@ -146,18 +199,17 @@ def read_token_jsonl(path: str | Path) -> list[TraceRequest]:
         after = record.get("after")
         if after is not None and not isinstance(after, str):
             raise _fail(path, line_no, f"after must be a request id string, got {after!r}")
-        out.append(
-            TraceRequest(
-                rid=str(record.get("rid", f"req-{len(out)}")),
-                arrival=float(arrival),
-                input_ids=arr.astype(TOKEN_DTYPE),
-                output_len=output_len,
-                output_ids=out_arr,
-                priority=priority,
-                after=after,
-            )
+        return TraceRequest(
+            rid=str(record.get("rid", f"req-{index}")),
+            arrival=float(arrival),
+            input_ids=arr.astype(TOKEN_DTYPE),
+            output_len=output_len,
+            output_ids=out_arr,
+            priority=priority,
+            after=after,
         )
-    return sorted(out, key=lambda r: r.arrival)
+
+    return sorted(_parse_lines(path, parse, skipped, ordered=False), key=lambda r: r.arrival)
 
 
 def write_token_jsonl(path: str | Path, trace: Iterable[TraceRequest]) -> None:
@@ -192,22 +244,28 @@ def sniff_format(path: str | Path) -> str:
     if not path.is_file():
         raise InvalidArgumentError(f"trace file {path} does not exist")
     for _, record in _records(path):
-        return "mooncake" if "hash_ids" in record else "tokens"
+        if isinstance(record, dict):
+            return "mooncake" if "hash_ids" in record else "tokens"
     return "tokens"
 
 
 def load_trace(
-    path: str | Path, fmt: str = "auto", block_size: int = 512, *, block_keys: bool = False
+    path: str | Path,
+    fmt: str = "auto",
+    block_size: int = 512,
+    *,
+    block_keys: bool = False,
+    skipped: list[str] | None = None,
 ) -> list[TraceRequest]:
-    """Read a trace file; `fmt` is `mooncake`, `tokens`, or `auto` (sniffed from line one).
-    `block_keys` applies to Mooncake traces (see `read_mooncake`)."""
+    """Read a trace file; `fmt` is `mooncake`, `tokens`, or `auto` (sniffed from its first
+    record). `block_keys` applies to Mooncake traces; `skipped` as in `read_mooncake`."""
     path = Path(path)
     if fmt == "auto":
         fmt = sniff_format(path)
     elif not path.is_file():
         raise InvalidArgumentError(f"trace file {path} does not exist")
     if fmt == "mooncake":
-        return read_mooncake(path, block_size, block_keys=block_keys)
+        return read_mooncake(path, block_size, block_keys=block_keys, skipped=skipped)
     if fmt == "tokens":
-        return read_token_jsonl(path)
+        return read_token_jsonl(path, skipped=skipped)
     raise InvalidArgumentError(f"trace format must be auto, mooncake or tokens, got {fmt!r}")
