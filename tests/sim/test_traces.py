@@ -77,7 +77,7 @@ def test_mooncake_errors_name_the_line_and_field(tmp_path, record, message):
 def test_an_empty_trace_is_refused(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n\n")
-    with pytest.raises(InvalidArgumentError, match="empty.jsonl: the trace holds no requests"):
+    with pytest.raises(InvalidArgumentError, match=r"empty\.jsonl: the trace holds no requests"):
         load_trace(path)
     path.write_text('{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1]}\n')
     with pytest.raises(InvalidArgumentError, match=r"no requests \(1 bad lines skipped\)"):
@@ -97,7 +97,7 @@ def test_bad_lines_can_be_skipped_and_are_counted(tmp_path, capsys):
     ]
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(InvalidArgumentError, match="t.jsonl:2: not JSON"):
+    with pytest.raises(InvalidArgumentError, match=r"t\.jsonl:2: not JSON"):
         read_mooncake(path, 4)
     skipped: list[str] = []
     trace = read_mooncake(path, 4, skipped=skipped)
