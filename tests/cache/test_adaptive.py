@@ -159,7 +159,7 @@ def test_it_leaves_lru_when_frequency_pays_and_beats_lru():
     adaptive = simulate_cache(trace, policy, kv_tokens=2_000, check_invariants=True).hit_rate
     assert lfu > lru + 0.05, "the workload is one where frequency pays"
     assert policy.switches and policy.mode != "lru"
-    assert adaptive >= lfu - 0.01
+    assert adaptive > lru + 0.05, "most of frequency's gain, less the time it took to see it"
 
 
 def test_it_stays_with_lru_when_recency_pays():
@@ -173,14 +173,24 @@ def test_it_stays_with_lru_when_recency_pays():
 
 
 def test_switches_keep_every_invariant():
-    policy = AdaptivePolicy(sample_pages=64, margin=0.0, epoch=40)
+    policy = AdaptivePolicy(sample_pages=64, margin=0.99, epoch=40)  # switches only by hand
+    cache = RadixCache(TokenToKVPoolAllocator(150), eviction_policy=policy)
     rng = np.random.default_rng(1)
-    prompts = []
-    for i in range(1_500):
+    order = ["wgd", "lfu", "lru", "wgd", "lru", "lfu", "wgd"]
+    for i in range(1_400):
+        if i % 200 == 199:
+            policy.follow(order[i // 200])
         base = [7, 7, 7] if rng.random() < 0.5 else [int(rng.integers(1, 50))]
-        prompts.append([*base, *rng.integers(0, 40, int(rng.integers(1, 12))), i % 7])
-    simulate_cache(_trace(prompts), policy, kv_tokens=150, check_invariants=True)
-    assert len({mode for _, mode in policy.switches}) >= 2, policy.switches
+        prompt = [*base, *rng.integers(0, 40, int(rng.integers(1, 12))), i % 7]
+        short = len(prompt) - cache.allocator.available_size()
+        if short > 0:
+            cache.evict(short)
+        cache.match_prefix(tokens(prompt))
+        cache_sequence(cache, prompt)
+        cache.check_invariants()
+    assert [mode for _, mode in policy.switches] == order
+    with pytest.raises(InvalidArgumentError):
+        policy.follow("mru")
 
 
 def test_a_split_node_is_renamed_consistently():

@@ -7,28 +7,29 @@ advance, and the regime changes over a day. So this policy runs all three and me
 
 - **Shadows.** Small caches of the three policies (`cache.shadow`) are fed a hash-sampled
   subset of the pages every request references, so each estimates what its policy would hit at
-  the real cache's size. The LRU shadow is exact up to sampling (per-page LRU is tree LRU).
-- **The real tree** ranks its leaves by one expert's key at a time: `wgd`'s GreedyDual
-  priorities, LRU's last use, or LFU's (hits, last use). Its own hits on the sampled pages are
-  counted against the shadows', reference by reference.
-- **Epochs.** Every `epoch` sampled references (default: one shadow capacity, at least 1,024),
-  each expert's estimate is its shadow's hit rate, smoothed over epochs, plus a bias: what the
-  real tree got minus what the shadow got, measured while the tree followed that expert (from
-  its second epoch on). The bias corrects the wgd and LFU shadows, which see pages as
-  independent objects where the tree sees prefixes. If another expert's estimate leads the
-  followed one by more than `margin`, the tree switches to it and re-keys every leaf.
+  the real cache's size. The LRU shadow tracks tree LRU closely (per-page LRU is tree LRU); the
+  LFU shadow treats pages as independent objects, and the wgd shadow, which models a policy of
+  tree nodes with pages, can be several points optimistic.
+- **The real tree** ranks its leaves by one expert's key at a time: LRU's last use (at first),
+  LFU's (hits, last use), or `wgd`'s GreedyDual priorities. Its own hits on the sampled pages
+  are counted reference by reference.
+- **Epochs.** Every `epoch` sampled references (and a quarter of a shadow's worth of misses),
+  each other expert's lead is recorded: its shadow's hit rate minus what the tree really got
+  (minus the LRU shadow's, while the tree follows LRU). The wgd shadow is corrected by what the
+  tree got while following wgd, and handicapped by 5 points until then. The tree leaves LRU for
+  the expert with the largest mean lead over the last 16 epochs if that lead is over `margin`
+  and over twice its standard error; it goes back to LRU on a lead over `margin` alone. No
+  lead is recorded until the tree has replaced its contents once since it filled or switched.
 
-The floor: while the tree follows an expert, its measured hit rate is compared every epoch with
-the LRU and LFU shadows on the same references. A shortfall larger than `margin` sustained
-over an epoch moves it to the leader, so the steady-state loss to the better of LRU and LFU is
-bounded by `margin` plus sampling error; what is lost in between is the switching lag, about two
-epochs of the slower policy's hit rate.
+The floor: while the tree follows another expert, its measured hit rate is compared every epoch
+with the LRU shadow on the same references, and a mean shortfall over `margin` sends it back.
+What is lost in between is the lag: the transition, then two epochs.
 
 State of its own: one record per tree node (its prefix hash and sampled page names, about
-150 bytes), three shadows of `sample_pages` names each plus the wgd shadow's ghosts
-(2 x `sample_pages`), and wgd's own window and ghosts (see `WindowedGreedyDualPolicy`). With
-the default 4,096 sampled pages the shadows hold about 20,000 names in all (a few MB),
-whatever the pool size.
+150 bytes); shadows of `sample_pages`, `sample_pages` and `sample_pages` / 4 names plus the
+wgd shadow's ghosts (2 x its size), about 3,000 names with the default 1,024, whatever the
+pool size; and wgd's own window and ghosts (see `WindowedGreedyDualPolicy`), kept only while
+the tree follows wgd.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import math
 from typing import TYPE_CHECKING
 
 from radixserve.cache.evict import WindowedGreedyDualPolicy
-from radixserve.cache.hashing import namespace_seed
+from radixserve.cache.hashing import TOKEN_BYTES, namespace_seed
 from radixserve.cache.shadow import GreedyDualShadow, LFUShadow, LRUShadow, PrefixHasher
 from radixserve.errors import InvalidArgumentError
 
@@ -46,10 +47,9 @@ if TYPE_CHECKING:
     from radixserve.cache.radix import RadixCache, TreeNode
 
 EXPERTS = ("wgd", "lru", "lfu")
-_SMOOTHING = 0.5
 _GD_SHARE = 4
-_UNMEASURED = 0.02
-_WINDOW_EPOCHS = 8
+_GD_HANDICAP = 0.05
+_WINDOW_EPOCHS = 16
 
 
 def _seed(extra_key: object) -> int:
@@ -73,8 +73,11 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
     `window` and `ghost` are wgd's (and its shadow's). `sample_pages` is the shadows' size in
     pages: the sampling rate is `sample_pages` / the pool's pages, capped at 1. `margin` is the
     lead, as a hit-rate fraction, another expert needs before the tree switches to it.
-    `epoch` is the number of sampled references between decisions (None: the shadows' size,
-    at least 1,024). `switches` lists (sampled references so far, expert) at each switch.
+    `epoch` is the least number of sampled references between decisions (None: 1,024, and a
+    quarter of a shadow's worth of misses; given, decisions need no misses and there is no
+    transition). `switches` lists (sampled references so far, expert) at each switch, and
+    `decisions` (sampled references, followed expert, the tree's hit rate, each shadow's) at
+    each epoch.
     """
 
     name = "adaptive"
@@ -123,7 +126,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._refs = self._real = self._gd_refs = 0
         self._hits = dict.fromkeys(EXPERTS, 0)
         self._rate: dict[str, float | None] = dict.fromkeys(EXPERTS)
-        self._bias: dict[str, float | None] = dict.fromkeys(EXPERTS)
+        self._gd_bias: float | None = None
         self._leads: dict[str, list[float]] = {name: [] for name in EXPERTS}
 
     # -- keys ------------------------------------------------------------------------------
@@ -194,23 +197,27 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
 
     def on_reference(self, node: TreeNode, cached: int) -> None:
         """`insert` placed a sequence ending at `node`; its first `cached` tokens were cached."""
-        path = []
-        walker = node
-        while walker.parent is not None:
-            path.append(walker)
-            walker = walker.parent
         # A request uses its whole path at one instant, and a tree evicts deepest first at
         # equal recency: the shadows get the path's pages deepest first.
-        depth = sum(len(walker) for walker in path)
+        records = self._records
+        below = 0  # key bytes on the path under the node being looked at
+        sampled_at: list[tuple[int, list[int]]] = []
+        walker = node
+        while walker.parent is not None:
+            record = records.get(walker)
+            if record is None or record[0] != len(walker.key):
+                record = self._record(walker)
+            if record[3]:
+                sampled_at.append((below, record[3]))
+            below += record[0]
+            walker = walker.parent
         pages: list[int] = []
         real = 0
-        for walker in path:
-            sampled = self._record(walker)[3]
-            if sampled:
-                pages.extend(reversed(sampled))
-                if depth <= cached:
-                    real += len(sampled)
-            depth -= len(walker)
+        hit_below = below - TOKEN_BYTES * cached  # nodes ending above this depth were cached
+        for under, sampled in sampled_at:
+            pages.extend(reversed(sampled))
+            if under >= hit_below:
+                real += len(sampled)
         if not pages:
             return
         self._refs += len(pages)
@@ -245,35 +252,52 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         # transition: its hit rate says little about the expert it follows.
         if misses_before < self._turnover:
             return
-        gap = real - raw[self.mode]
-        old = self._bias[self.mode]
-        self._bias[self.mode] = gap if old is None else old + _SMOOTHING * (gap - old)
-        # Each other expert's estimated lead over what the tree really got, epoch by epoch.
+        # Each other expert's lead, epoch by epoch: its shadow against what the tree really
+        # got. Under LRU, against the LRU shadow instead, which shares the other shadows'
+        # sampling and its small optimism.
+        reference = raw["lru"] if self.mode == "lru" else real
+        # The wgd shadow models a tree policy with independent pages and can be several points
+        # optimistic: it is corrected by what the tree got while following wgd, and until that
+        # is known, handicapped.
+        if self.mode == "wgd":
+            gap = real - raw["wgd"]
+            old = self._gd_bias
+            self._gd_bias = gap if old is None else old + 0.5 * (gap - old)
+        gd_correction = -_GD_HANDICAP if self._gd_bias is None else self._gd_bias
         for name in EXPERTS:
             if name != self.mode:
                 leads = self._leads[name]
-                leads.append(raw[name] + (self._bias[name] or 0.0) - real)
+                leads.append(raw[name] + (gd_correction if name == "wgd" else 0.0) - reference)
                 del leads[:-_WINDOW_EPOCHS]
         best, lead, noise = max(
             ((name, *_mean_and_error(self._leads[name])) for name in EXPERTS if name != self.mode),
             key=lambda item: item[1],
         )
-        needed = self.margin
-        if best == "wgd" and self._bias["wgd"] is None:
-            needed += _UNMEASURED  # the wgd shadow's model error was never measured
-        # Switch on a lead that is both large enough and unlikely to be sampling noise.
-        if len(self._leads[best]) >= 2 and lead > needed and lead > 2.0 * noise:
-            if self.mode == "wgd":
-                self._close_window()
-            self.mode = best
-            self._misses_in_mode = 0
-            self._leads = {name: [] for name in EXPERTS}
-            self.switches.append((self.references, best))
+        # Leave LRU, the default, on a lead that is both over the margin and unlikely to be
+        # sampling noise. Go back to it on a lead over the margin alone: the floor is LRU's.
+        confident = best == "lru" or lead > 2.0 * noise
+        if len(self._leads[best]) >= 2 and lead > self.margin and confident:
+            self.follow(best)
+
+    def follow(self, expert: str) -> None:
+        """Rank the tree's leaves by `expert` (wgd, lru or lfu) from now on.
+
+        Re-keys every evictable leaf. The policy switches by itself; this is for tests and for
+        pinning an expert by hand.
+        """
+        if expert not in EXPERTS:
+            raise InvalidArgumentError(f"expert must be one of {EXPERTS}, got {expert!r}")
+        if expert == self.mode:
+            return
+        if self.mode == "wgd":
+            self._close_window()
+        self.mode = expert
+        self._misses_in_mode = 0
+        self._leads = {name: [] for name in EXPERTS}
+        self.switches.append((self.references, expert))
+        if self.cache is not None:
             self.cache.refresh_all_eviction_keys()
 
     def estimates(self) -> dict[str, float | None]:
-        """Each expert's current estimated hit rate on sampled pages (None before an epoch)."""
-        return {
-            name: None if self._rate[name] is None else self._rate[name] + (self._bias[name] or 0)
-            for name in EXPERTS
-        }
+        """Each shadow's hit rate on sampled pages in the last epoch (None before one)."""
+        return dict(self._rate)

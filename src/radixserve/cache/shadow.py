@@ -55,13 +55,13 @@ class PrefixHasher:
 
     def page_hashes(self, start: int, key: bytes) -> np.ndarray:
         """The hash at each page end of `key` (int32 LE tokens), continuing from `start`."""
-        x = np.frombuffer(key, dtype=np.uint32).astype(np.uint64)
-        n = len(x)
+        tokens = np.frombuffer(key, dtype=np.uint32)
+        n = len(tokens)
         if n >= len(self._powers):
             self._grow(n + 1)
-        x *= self._inverses[:n]
+        x = tokens * self._inverses[:n]  # uint64, wrapping
         x[0] += np.uint64(start * _MULT & _MASK)
-        np.cumsum(x, out=x)
+        x.cumsum(out=x)
         x *= self._powers[:n]
         if self.page_size > 1:
             x = x[self.page_size - 1 :: self.page_size]
