@@ -95,7 +95,7 @@ def test_generate_reports_a_failed_request_instead_of_raising(llama_dir):
 def test_generate_raises_on_a_lost_request_instead_of_looping(llama_dir):
     engine = make_engine(llama_dir)
     real_add = engine.scheduler.add_request
-    engine.scheduler.add_request = lambda req: (real_add(req), engine.scheduler.waiting.clear())
+    engine.scheduler.add_request = lambda req: (real_add(req), engine.scheduler.waiting.remove(req))
     with pytest.raises(EngineError, match="lost"):
         engine.generate([[5, 6, 7]], GREEDY)
 

@@ -104,13 +104,14 @@ def test_unknown_policy_names_the_choices():
 
 def test_starving_requests_go_first_oldest_first():
     cache = cache_with([1, 2, 3])
-    waiting = [req("hot", [1, 2, 3, 4]), req("cold-new", [5]), req("cold-old", [6])]
-    waiting[0].queued_time, waiting[1].queued_time, waiting[2].queued_time = 9.0, 4.0, 1.0
+    # In arrival order, so queue times grow along the queue, as a scheduler sets them.
+    waiting = [req("cold-old", [6]), req("cold-new", [5]), req("hot", [1, 2, 3, 4])]
+    waiting[0].queued_time, waiting[1].queued_time, waiting[2].queued_time = 1.0, 4.0, 9.0
     policy = make_schedule_policy("lpm")
     assert rids(order_queue(waiting, policy, cache, now=10.0, max_queue_wait=None)) == [
         "hot",
-        "cold-new",
         "cold-old",
+        "cold-new",
     ]
     assert rids(order_queue(waiting, policy, cache, now=10.0, max_queue_wait=6.0)) == [
         "cold-old",

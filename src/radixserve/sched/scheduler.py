@@ -14,7 +14,6 @@ memory pressure goes back to the queue and is recomputed later; it is never lost
 
 from __future__ import annotations
 
-import bisect
 import enum
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +30,8 @@ from radixserve.sched.admission import (
     future_need,
     output_reserve,
 )
-from radixserve.sched.policy import CACHE_AWARE, make_schedule_policy, order_queue
+from radixserve.sched.policy import CACHE_AWARE, admission_order, make_schedule_policy
+from radixserve.sched.queue import WaitingQueue
 from radixserve.sched.request import FinishReason, Req, ReqState, pages
 
 
@@ -180,13 +180,14 @@ class Scheduler:
         )
         self.clock = clock
         self.on_admit = on_admit
-        self.waiting: list[Req] = []
+        self.waiting = WaitingQueue(by_priority=cfg.enable_priority_scheduling)
         self.prefilling: Req | None = None
         self.running: list[Req] = []
         self.stats = SchedulerStats()
         self._finished: list[Req] = []
         self._rids: dict[str, Req] = {}
         self._arrivals = 0
+        self._requeue: list[Req] | None = None
 
     # -- queue ----------------------------------------------------------------------------
 
@@ -217,7 +218,7 @@ class Scheduler:
                 ),
             )
             return
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def abort(self, rid: str, message: str = "aborted", cause: str = "client") -> bool:
         """End request `rid` as `abort` for `cause`, releasing everything it holds.
@@ -332,7 +333,10 @@ class Scheduler:
         req.state = ReqState.WAITING
         req.queued_time = self.clock()
         req.num_retractions += 1
-        bisect.insort(self.waiting, req, key=lambda r: r.arrival_index)
+        if self._requeue is not None:  # preempted while the queue is being read: after it
+            self._requeue.append(req)
+        else:
+            self.waiting.add(req)  # back at its arrival position
 
     # -- step -----------------------------------------------------------------------------
 
@@ -382,15 +386,27 @@ class Scheduler:
         full = len(self.running) + len(rnd.entries) >= cfg.max_running_requests
         if full and not cfg.enable_priority_scheduling:
             return  # nothing could be admitted or preempted for: skip ordering the queue
-        ordered = order_queue(
-            self.waiting,
-            self.policy,
-            self.cache,
-            self.clock(),
-            enable_priority=cfg.enable_priority_scheduling,
-            max_queue_wait=cfg.max_queue_wait,
+        ordered = admission_order(
+            self.waiting, self.policy, self.cache, self.clock(), max_queue_wait=cfg.max_queue_wait
         )
-        defer = cfg.enable_in_batch_prefix_caching and self.policy.name in CACHE_AWARE
+        # In-batch deferral skips requests, so it runs only while the policy orders the whole
+        # queue by prefix: above the window the queue is read in arrival order, and stops.
+        defer = (
+            cfg.enable_in_batch_prefix_caching
+            and self.policy.name in CACHE_AWARE
+            and len(self.waiting) <= self.policy.window
+        )
+        self._requeue = []
+        try:
+            self._admit_in_order(ordered, rnd, defer)
+        finally:
+            for req in self._requeue:
+                self.waiting.add(req)
+            self._requeue = None
+
+    def _admit_in_order(self, ordered, rnd: _Round, defer: bool) -> None:
+        """Admit from `ordered` until a request cannot be admitted or the round is full."""
+        cfg = self.config
         for req in ordered:
             if rnd.chunk_left < self.page_size:
                 break
