@@ -181,3 +181,23 @@ def test_in_batch_deferral_thresholds_are_configurable_and_fcfs_never_defers():
         for i, prompt in enumerate(prompts):
             sched.add_request(req(f"r{i}", prompt))
         assert len(sched.step()) == expected, config
+
+
+def test_in_batch_deferral_works_above_the_window_and_skips_at_most_the_window():
+    # Regression: with the queue longer than lpm's window (served in arrival order), requests
+    # sharing a prefix with one admitted this round must still wait for it to be cached.
+    sched = make_scheduler(schedule_policy="lpm", lpm_fallback_queue_len=3)
+    shared = list(range(1, 33))
+    for i in range(8):
+        sched.add_request(req(f"s{i}", [*shared, 100 + i, 200 + i]))
+    sched.add_request(req("other", [500, *range(600, 640)]))
+    batch = sched.step()
+    assert rids(e.req for e in batch.entries) == ["s0", "s4", "s5", "s6", "s7", "other"], (
+        "three of the shared requests are deferred (the window), then the scan goes on"
+    )
+    sched.process_batch_result(batch, counting_model(batch))
+    batch = sched.step()
+    assert rids(e.req for e in batch.entries) == ["s1"]
+    assert batch.entries[0].req.cached_tokens == 32, "it reuses s0's prefix"
+    sched.process_batch_result(batch, counting_model(batch))
+    run_to_completion(sched)

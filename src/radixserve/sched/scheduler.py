@@ -146,6 +146,7 @@ class _Round:
     chunked: bool = False
     entries: list[BatchEntry] = field(default_factory=list)
     heads: set[bytes] = field(default_factory=set)
+    deferred: int = 0
 
 
 class Scheduler:
@@ -389,13 +390,7 @@ class Scheduler:
         ordered = admission_order(
             self.waiting, self.policy, self.cache, self.clock(), max_queue_wait=cfg.max_queue_wait
         )
-        # In-batch deferral skips requests, so it runs only while the policy orders the whole
-        # queue by prefix: above the window the queue is read in arrival order, and stops.
-        defer = (
-            cfg.enable_in_batch_prefix_caching
-            and self.policy.name in CACHE_AWARE
-            and len(self.waiting) <= self.policy.window
-        )
+        defer = cfg.enable_in_batch_prefix_caching and self.policy.name in CACHE_AWARE
         self._requeue = []
         try:
             self._admit_in_order(ordered, rnd, defer)
@@ -410,7 +405,9 @@ class Scheduler:
         for req in ordered:
             if rnd.chunk_left < self.page_size:
                 break
-            if defer and self._defer_in_batch(req, rnd):
+            # Deferral skips requests, so a round skips at most the policy's window of them.
+            if defer and rnd.deferred < self.policy.window and self._defer_in_batch(req, rnd):
+                rnd.deferred += 1
                 continue
             full = len(self.running) + len(rnd.entries) >= cfg.max_running_requests
             if full and not self._preempt_for(req, rnd, slots_only=True):
