@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -107,7 +108,7 @@ def _load(
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from radixserve.sim.oracle import infinite_cache
-    from radixserve.sim.replay import ReplayConfig, replay
+    from radixserve.sim.replay import ReplayConfig, offered_load, replay
     from radixserve.sim.report import markdown_table, plot_hit_rates, write_csv, write_json
     from radixserve.sim.traces import sniff_format
 
@@ -154,6 +155,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     cost_model=cost_model,
                 )
                 results.append(replay(trace, config, unique=unique, progress=sys.stderr.isatty()))
+    load = offered_load(trace, cost_model, args.arrivals)
+    if math.isnan(load):
+        what = f"arrivals {args.arrivals}: the offered load follows the simulated server"
+    elif math.isinf(load):
+        what = f"arrivals {args.arrivals}: every request is queued at once"
+    else:
+        what = (
+            f"offered load {load:.2f}x (prefill without reuse over the arrival span, "
+            f"arrivals {args.arrivals})"
+        )
+        if load > 1:
+            what += (
+                ": the simulated server is overloaded, so queues grow and hit rates depend "
+                "on scheduling as much as on eviction; --cache-only compares eviction alone"
+            )
+    print(f"{what}\n")
     print(markdown_table(results, infinite_bound=bound))
     if args.out:
         out = Path(args.out)
@@ -373,7 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--schedule", default="fcfs", help="comma-separated schedule policies")
     rp.add_argument("--cache", default="5%", help="comma-separated sizes: 5%% or token counts")
     rp.add_argument("--page-size", type=int, default=1)
-    rp.add_argument("--arrivals", choices=("trace", "burst"), default="trace")
+    rp.add_argument(
+        "--arrivals",
+        default="trace",
+        help="trace (its timestamps), burst (all at 0), scaled:X (timestamps / X) or "
+        "closed-loop:N (N clients, each sending its next request when the last ends)",
+    )
     rp.add_argument("--format", choices=("auto", "mooncake", "tokens"), default="auto")
     rp.add_argument("--block-size", type=int, default=512, help="Mooncake block size")
     rp.add_argument("--max-running-requests", type=int, default=256)

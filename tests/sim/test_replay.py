@@ -124,3 +124,41 @@ def test_disabled_cache_computes_every_prompt_token():
     assert result.token_hit_rate == 0
     assert result.prefill_tokens_computed >= result.prompt_tokens
     assert not math.isnan(result.ttft_p99)
+
+
+def test_arrival_modes_are_parsed_and_bad_ones_refused():
+    from radixserve.sim.replay import parse_arrivals
+
+    assert parse_arrivals("trace") == ("trace", 0.0)
+    assert parse_arrivals("scaled:2.5") == ("scaled", 2.5)
+    assert parse_arrivals("closed-loop:8") == ("closed-loop", 8.0)
+    for bad in ("poisson", "scaled:0", "scaled:x", "closed-loop:0", "closed-loop:1.5", "burst:2"):
+        with pytest.raises(InvalidArgumentError, match="arrivals must be"):
+            ReplayConfig(cache_fraction=5, arrivals=bad)
+
+
+def test_closed_loop_clients_never_queue_and_scaling_compresses_time():
+    trace = make_workload("shared-prefix", seed=0, rate=2.0, **SMALL["shared-prefix"])
+    one = replay(trace, ReplayConfig(cache_fraction=50, arrivals="closed-loop:1"))
+    eight = replay(trace, ReplayConfig(cache_fraction=50, arrivals="closed-loop:8"))
+    assert one.failed == eight.failed == 0
+    assert one.queue_delay_p99 == pytest.approx(0, abs=1e-9), "one client: never a queue"
+    assert eight.makespan < one.makespan
+    base = replay(trace, ReplayConfig(cache_fraction=50))
+    fast = replay(trace, ReplayConfig(cache_fraction=50, arrivals="scaled:2"))
+    assert fast.makespan < 0.6 * base.makespan
+    assert fast.offered_load == pytest.approx(2 * base.offered_load)
+
+
+def test_offered_load_is_prefill_work_over_the_arrival_span():
+    from radixserve.sim.replay import offered_load
+
+    cost = CostModel()
+    trace = [
+        TraceRequest("a", 0.0, np.arange(100, dtype=np.int32), 4),
+        TraceRequest("b", 10.0, np.arange(300, dtype=np.int32), 4),
+    ]
+    work = cost.prefill_time(100, 0) + cost.prefill_time(300, 0)
+    assert offered_load(trace, cost, "trace") == pytest.approx(work / 10.0)
+    assert offered_load(trace, cost, "burst") == math.inf
+    assert math.isnan(offered_load(trace, cost, "closed-loop:4"))

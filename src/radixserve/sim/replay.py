@@ -66,8 +66,49 @@ class ReplayConfig:
             raise InvalidArgumentError(
                 f"cache_fraction must be in (0, 100], got {self.cache_fraction!r}"
             )
-        if self.arrivals not in ("trace", "burst"):
-            raise InvalidArgumentError(f"arrivals must be trace or burst, got {self.arrivals!r}")
+        parse_arrivals(self.arrivals)
+
+
+def parse_arrivals(spec: str) -> tuple[str, float]:
+    """('trace'|'burst'|'scaled'|'closed-loop', parameter) from an `arrivals` string.
+
+    `trace`: the trace's timestamps. `burst`: everything at time 0. `scaled:X`: the trace's
+    timestamps divided by X (X = 2 sends twice as fast). `closed-loop:N`: N clients, each
+    sending the next request in trace order as soon as its last one ends; timestamps are
+    ignored. A request with `after` still waits for that request in every mode.
+    """
+    if not isinstance(spec, str):
+        raise InvalidArgumentError(f"arrivals must be a string, got {spec!r}")
+    kind, _, value = spec.partition(":")
+    if kind in ("trace", "burst") and not value:
+        return kind, 0.0
+    try:
+        number = float(value) if kind == "scaled" else int(value)
+    except ValueError:
+        number = 0
+    if kind in ("scaled", "closed-loop") and number > 0 and math.isfinite(number):
+        return kind, float(number)
+    raise InvalidArgumentError(
+        f"arrivals must be trace, burst, scaled:X (X > 0) or closed-loop:N (N >= 1), got {spec!r}"
+    )
+
+
+def offered_load(trace: Sequence[TraceRequest], cost_model: CostModel, arrivals: str) -> float:
+    """Prefill work without any reuse, in simulated seconds, over the span of the arrivals.
+
+    Above 1 the simulated server cannot keep up even if it batched perfectly, unless the cache
+    saves the difference: queues grow, and hit rates depend on scheduling as much as on
+    eviction. Infinite for `burst`; nan for `closed-loop`, whose load follows the server.
+    """
+    kind, value = parse_arrivals(arrivals)
+    if kind == "closed-loop":
+        return math.nan
+    work = sum(cost_model.prefill_time(len(r.input_ids), 0) for r in trace)
+    times = [r.arrival for r in trace]
+    span = (max(times) - min(times)) / (value if kind == "scaled" else 1.0)
+    if kind == "burst" or span <= 0:
+        return math.inf
+    return work / span
 
 
 @dataclass
@@ -99,6 +140,7 @@ class ReplayResult:
     queue_delay_p99: float
     evicted_tokens: int
     retractions: int
+    offered_load: float
     wall_seconds: float
     sched_cache_us_per_request: float
 
@@ -186,7 +228,13 @@ def replay(
                 out.append(_SYNTHETIC_BASE + (i * 65_536 + k) % _SYNTHETIC_BASE)
         return out
 
-    arrivals = [0.0 if config.arrivals == "burst" else r.arrival for r in trace]
+    kind, value = parse_arrivals(config.arrivals)
+    if kind in ("burst", "closed-loop"):
+        arrivals = [0.0] * len(trace)
+    else:
+        arrivals = [r.arrival / value if kind == "scaled" else r.arrival for r in trace]
+    clients = int(value) if kind == "closed-loop" else None
+    in_flight = 0
     ready: list[tuple[float, int]] = []
     blocked: dict[str, list[int]] = {}
     for i, r in enumerate(trace):
@@ -205,8 +253,11 @@ def replay(
     started = time.perf_counter()
     while sent < n or scheduler.has_work():
         tick = time.perf_counter()
-        while ready and ready[0][0] <= now[0]:
+        while ready and ready[0][0] <= now[0] and (clients is None or in_flight < clients):
             sent_at, i = heapq.heappop(ready)
+            if clients is not None:  # a closed-loop client sends when its last request ends
+                sent_at = now[0]
+            in_flight += 1
             r = trace[i]
             scheduler.add_request(
                 Req(
@@ -231,6 +282,7 @@ def replay(
         finished = scheduler.pop_finished()
         for req in finished:
             bar.update(1)
+            in_flight -= 1
             for child in blocked.pop(req.rid, ()):
                 heapq.heappush(ready, (max(arrivals[child], now[0]), child))
             if req.finish_reason.kind == "abort":
@@ -242,7 +294,7 @@ def replay(
                 ttft.append(req.first_token_time - req.arrival_time)
             queue.append(req.first_scheduled_time - req.arrival_time)
         if batch is None and not finished:
-            if ready:
+            if ready and (clients is None or in_flight < clients):
                 now[0] = max(now[0], ready[0][0])
             elif scheduler.has_work():
                 raise RuntimeError("the scheduler stalled with work queued")  # a bug, not input
@@ -280,6 +332,7 @@ def replay(
         queue_delay_p99=_percentile(queue, 99),
         evicted_tokens=stats.evicted_tokens,
         retractions=stats.retractions,
+        offered_load=offered_load(trace, config.cost_model, config.arrivals),
         wall_seconds=elapsed,
         sched_cache_us_per_request=wall / n * 1e6,
     )
