@@ -108,7 +108,7 @@ def _load(
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from radixserve.sim.oracle import infinite_cache
-    from radixserve.sim.replay import ReplayConfig, offered_load, replay
+    from radixserve.sim.replay import offered_load
     from radixserve.sim.report import markdown_table, plot_hit_rates, write_csv, write_json
     from radixserve.sim.traces import sniff_format
 
@@ -135,26 +135,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         elif args.format == "mooncake" or sniff_format(args.trace) == "mooncake":
             unit = "blocks"
     log.info("trace: %d requests, %d unique %s", len(trace), unique, unit)
+    cells = _grid(args, evictions, sizes, keys)
+    results = _sweep(args, cells, trace, unique)
     if args.cache_only:
-        return _cache_only(args, trace, evictions, sizes, bound, unique, unit)
-    schedules = _split(args.schedule)
+        return _cache_only(args, trace, results, bound, unique, unit)
     cost_model = parse_cost_model(args.cost)
-    results = []
-    for eviction in evictions:
-        for schedule in schedules:
-            for kind, size in sizes:
-                config = ReplayConfig(
-                    eviction_policy=eviction,
-                    schedule_policy=schedule,
-                    kv_cache_tokens=int(size) if kind == "tokens" else None,
-                    cache_fraction=size if kind == "fraction" else None,
-                    page_size=args.page_size,
-                    arrivals=args.arrivals,
-                    max_running_requests=args.max_running_requests,
-                    chunked_prefill_size=args.chunked_prefill_size,
-                    cost_model=cost_model,
-                )
-                results.append(replay(trace, config, unique=unique, progress=sys.stderr.isatty()))
     load = offered_load(trace, cost_model, args.arrivals)
     if math.isnan(load):
         what = f"arrivals {args.arrivals}: the offered load follows the simulated server"
@@ -192,24 +177,131 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cache_only(args, trace, evictions, sizes, bound, unique, unit) -> int:
+def _grid(args: argparse.Namespace, evictions, sizes, keys: str) -> list[dict]:
+    """The sweep's cells: every eviction x schedule x size, each naming its trace."""
+    trace = {
+        "trace": args.trace,
+        "format": args.format,
+        "block_size": args.block_size,
+        "seed": args.seed,
+        "workload_args": args.workload_args,
+        "keys": keys,
+        "skip_bad_lines": args.skip_bad_lines,
+    }
+    common = {"trace": trace, "page_size": args.page_size}
+    if args.cache_only:
+        return [
+            {**common, "mode": "cache-only", "eviction": e, "size": [kind, size]}
+            for e in evictions
+            for kind, size in sizes
+        ]
+    from radixserve.sim.replay import parse_arrivals
+
+    parse_cost_model(args.cost)  # refuse bad settings before any cell runs
+    parse_arrivals(args.arrivals)
+    return [
+        {
+            **common,
+            "mode": "replay",
+            "eviction": e,
+            "schedule": schedule,
+            "size": [kind, size],
+            "arrivals": args.arrivals,
+            "max_running_requests": args.max_running_requests,
+            "chunked_prefill_size": args.chunked_prefill_size,
+            "cost": args.cost,
+        }
+        for e in evictions
+        for schedule in _split(args.schedule)
+        for kind, size in sizes
+    ]
+
+
+_LOADED: dict = {}  # in each sweep process: the trace and its unique-token count
+
+
+def _sweep_setup(trace: dict, page_size: int, cache_only: bool) -> None:
+    from radixserve.sim.oracle import infinite_cache
+
+    _LOADED["trace"] = _load(
+        trace["trace"],
+        trace["format"],
+        trace["block_size"],
+        trace["seed"],
+        trace["workload_args"],
+        trace["keys"] == "blocks",
+        trace["skip_bad_lines"],
+    )
+    _LOADED["unique"] = infinite_cache(_LOADED["trace"], page_size if cache_only else 1)[1]
+
+
+def _sweep_cell(cell: dict) -> dict:
+    """Run one cell on the process's trace; the result as a dict."""
     from radixserve.sim.cacheonly import simulate_cache
+    from radixserve.sim.replay import ReplayConfig, replay
+
+    trace, unique = _LOADED["trace"], _LOADED["unique"]
+    kind, size = cell["size"]
+    capacity = {
+        "tokens": int(size) if kind == "tokens" else None,
+        "fraction": size if kind == "fraction" else None,
+    }
+    progress = sys.stderr.isatty()
+    if cell["mode"] == "cache-only":
+        result = simulate_cache(
+            trace,
+            cell["eviction"],
+            kv_tokens=capacity["tokens"],
+            cache_fraction=capacity["fraction"],
+            page_size=cell["page_size"],
+            unique=unique,
+            progress=progress,
+        )
+        return result.as_dict()
+    config = ReplayConfig(
+        eviction_policy=cell["eviction"],
+        schedule_policy=cell["schedule"],
+        kv_cache_tokens=capacity["tokens"],
+        cache_fraction=capacity["fraction"],
+        page_size=cell["page_size"],
+        arrivals=cell["arrivals"],
+        max_running_requests=cell["max_running_requests"],
+        chunked_prefill_size=cell["chunked_prefill_size"],
+        cost_model=parse_cost_model(cell["cost"]),
+    )
+    return replay(trace, config, unique=unique, progress=progress).as_dict()
+
+
+def _sweep(args: argparse.Namespace, cells: list[dict], trace, unique: int):
+    """Run the cells (in `--jobs` processes, journalled under `--out`); the result objects."""
+    from radixserve.sim.cacheonly import CacheOnlyResult
+    from radixserve.sim.replay import ReplayResult
+    from radixserve.sim.sweep import cell_key, read_journal, run_grid
+
+    journal = None
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        journal = Path(args.out) / "cells.jsonl"
+        done = read_journal(journal)
+        resumed = sum(cell_key(c) in done for c in cells)
+        if resumed:
+            log.info("resuming: %d of %d cells are already in %s", resumed, len(cells), journal)
+    _LOADED.update(trace=trace, unique=unique)
+    dicts = run_grid(
+        cells,
+        _sweep_cell,
+        jobs=args.jobs,
+        journal=journal,
+        initializer=_sweep_setup if args.jobs > 1 else None,
+        initargs=(cells[0]["trace"], args.page_size, args.cache_only),
+    )
+    kind = CacheOnlyResult if args.cache_only else ReplayResult
+    return [kind(**d) for d in dicts]
+
+
+def _cache_only(args, trace, results, bound, unique, unit) -> int:
     from radixserve.sim.report import cache_only_table, write_json
 
-    results = []
-    for eviction in evictions:
-        for kind, size in sizes:
-            results.append(
-                simulate_cache(
-                    trace,
-                    eviction,
-                    kv_tokens=int(size) if kind == "tokens" else None,
-                    cache_fraction=size if kind == "fraction" else None,
-                    page_size=args.page_size,
-                    unique=unique,
-                    progress=sys.stderr.isatty(),
-                )
-            )
     print(
         f"Pure cache simulation of {args.trace}: {len(trace):,} requests in arrival order, "
         f"{unique:,} unique {unit}, no scheduler.\n"
@@ -424,7 +516,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave out trace lines that fail validation, and report how many",
     )
-    rp.add_argument("--out", help="directory for replay.csv, replay.json and hit_rate.png")
+    rp.add_argument(
+        "--jobs", type=int, default=1, help="run the grid's cells in this many processes"
+    )
+    rp.add_argument(
+        "--out",
+        help="directory for replay.csv, replay.json and hit_rate.png, and for cells.jsonl, the "
+        "journal of finished cells: run again with the same --out to resume",
+    )
     rp.set_defaults(func=cmd_replay)
 
     st = sub.add_parser(

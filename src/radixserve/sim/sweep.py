@@ -1,0 +1,90 @@
+"""Sweeps: a grid of lab runs in parallel processes, journalled so that an interrupted sweep
+resumes where it stopped.
+
+A cell is a dict of JSON values naming one run; its identity is its sorted JSON. Each result
+is appended to the journal (JSON lines of {"cell", "result"}) as soon as it finishes and is
+flushed, so a sweep killed at any point loses at most the cells still running. Run again with
+the same journal, the sweep reads the finished cells back and runs only the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+from radixserve.errors import InvalidArgumentError
+
+
+def cell_key(cell: dict) -> str:
+    """The identity of a cell: its JSON with sorted keys."""
+    return json.dumps(cell, sort_keys=True)
+
+
+def read_journal(path: Path) -> dict[str, dict]:
+    """Finished cells by key. A torn last line (a sweep killed mid-write) is ignored."""
+    done: dict[str, dict] = {}
+    if not path.is_file():
+        return done
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            done[cell_key(record["cell"])] = record["result"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    return done
+
+
+def run_grid(
+    cells: Sequence[dict],
+    run: Callable[[dict], dict],
+    *,
+    jobs: int = 1,
+    journal: str | Path | None = None,
+    initializer: Callable[..., None] | None = None,
+    initargs: tuple = (),
+    on_result: Callable[[dict, dict], None] | None = None,
+) -> list[dict]:
+    """`run(cell)` for every cell not already in `journal`; the results, in `cells` order.
+
+    With `jobs` > 1 the cells run in that many processes, each set up once by
+    `initializer(*initargs)`; `run` and the cells must then be picklable. `on_result(cell,
+    result)` is called in this process as each new result arrives.
+    """
+    if not isinstance(jobs, int) or jobs < 1:
+        raise InvalidArgumentError(f"jobs must be an integer >= 1, got {jobs!r}")
+    path = Path(journal) if journal is not None else None
+    done = read_journal(path) if path is not None else {}
+    todo = [cell for cell in cells if cell_key(cell) not in done]
+    handle = None
+    if path is not None:
+        handle = path.open("a")
+        if path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+            handle.write("\n")  # end a line torn by a sweep killed mid-write
+
+    def record(cell: dict, result: dict) -> None:
+        done[cell_key(cell)] = result
+        if handle is not None:
+            handle.write(json.dumps({"cell": cell, "result": result}) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        if on_result is not None:
+            on_result(cell, result)
+
+    try:
+        if jobs == 1 or len(todo) <= 1:
+            if todo and initializer is not None:
+                initializer(*initargs)
+            for cell in todo:
+                record(cell, run(cell))
+        else:
+            with ProcessPoolExecutor(jobs, initializer=initializer, initargs=initargs) as pool:
+                futures = {pool.submit(run, cell): cell for cell in todo}
+                for future in as_completed(futures):
+                    record(futures[future], future.result())
+    finally:
+        if handle is not None:
+            handle.close()
+    return [done[cell_key(cell)] for cell in cells]
