@@ -109,19 +109,20 @@ def _load(
 def cmd_replay(args: argparse.Namespace) -> int:
     from radixserve.sim.oracle import infinite_cache
     from radixserve.sim.replay import offered_load
-    from radixserve.sim.report import markdown_table, plot_hit_rates, write_csv, write_json
+    from radixserve.sim.report import markdown_table, plot_hit_rates, write_csv
     from radixserve.sim.traces import sniff_format
 
     keys = args.keys if args.keys != "auto" else ("blocks" if args.cache_only else "tokens")
-    trace = _load(
-        args.trace,
-        args.format,
-        args.block_size,
-        args.seed,
-        args.workload_args,
-        keys == "blocks",
-        args.skip_bad_lines,
-    )
+    spec = {
+        "trace": args.trace,
+        "format": args.format,
+        "block_size": args.block_size,
+        "seed": args.seed,
+        "workload_args": args.workload_args,
+        "keys": keys,
+        "skip_bad_lines": args.skip_bad_lines,
+    }
+    trace = _load_spec(spec)
     evictions = _split(args.eviction)
     sizes = parse_cache_sizes(args.cache)
     bound, unique = infinite_cache(trace, args.page_size if args.cache_only else 1)
@@ -135,7 +136,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         elif args.format == "mooncake" or sniff_format(args.trace) == "mooncake":
             unit = "blocks"
     log.info("trace: %d requests, %d unique %s", len(trace), unique, unit)
-    cells = _grid(args, evictions, sizes, keys)
+    cells = _grid(args, spec, evictions, sizes)
     results = _sweep(args, cells, trace, unique)
     if args.cache_only:
         return _cache_only(args, trace, results, bound, unique, unit)
@@ -158,17 +159,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(f"{what}\n")
     print(markdown_table(results, infinite_bound=bound))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        out = _write_results(args, "replay.json", results, trace, bound, unique_tokens=unique)
         write_csv(out / "replay.csv", results)
-        write_json(
-            out / "replay.json",
-            results,
-            trace=args.trace,
-            requests=len(trace),
-            unique_tokens=unique,
-            infinite_cache_bound=bound,
-        )
         plot_hit_rates(out / "hit_rate.png", results, bound, title=Path(args.trace).name)
         log.info(
             "wrote %s",
@@ -177,18 +169,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _grid(args: argparse.Namespace, evictions, sizes, keys: str) -> list[dict]:
-    """The sweep's cells: every eviction x schedule x size, each naming its trace."""
-    trace = {
-        "trace": args.trace,
-        "format": args.format,
-        "block_size": args.block_size,
-        "seed": args.seed,
-        "workload_args": args.workload_args,
-        "keys": keys,
-        "skip_bad_lines": args.skip_bad_lines,
-    }
-    common = {"trace": trace, "page_size": args.page_size}
+def _load_spec(spec: dict):
+    """The trace that a sweep's trace spec (as `cmd_replay` builds it) names."""
+    return _load(
+        spec["trace"],
+        spec["format"],
+        spec["block_size"],
+        spec["seed"],
+        spec["workload_args"],
+        spec["keys"] == "blocks",
+        spec["skip_bad_lines"],
+    )
+
+
+def _grid(args: argparse.Namespace, spec: dict, evictions, sizes) -> list[dict]:
+    """The sweep's cells: every eviction x schedule x size, each naming its trace `spec`."""
+    common = {"trace": spec, "page_size": args.page_size}
     if args.cache_only:
         return [
             {**common, "mode": "cache-only", "eviction": e, "size": [kind, size]}
@@ -223,15 +219,7 @@ _LOADED: dict = {}  # in each sweep process: the trace and its unique-token coun
 def _sweep_setup(trace: dict, page_size: int, cache_only: bool) -> None:
     from radixserve.sim.oracle import infinite_cache
 
-    _LOADED["trace"] = _load(
-        trace["trace"],
-        trace["format"],
-        trace["block_size"],
-        trace["seed"],
-        trace["workload_args"],
-        trace["keys"] == "blocks",
-        trace["skip_bad_lines"],
-    )
+    _LOADED["trace"] = _load_spec(trace)
     _LOADED["unique"] = infinite_cache(_LOADED["trace"], page_size if cache_only else 1)[1]
 
 
@@ -276,16 +264,12 @@ def _sweep(args: argparse.Namespace, cells: list[dict], trace, unique: int):
     """Run the cells (in `--jobs` processes, journalled under `--out`); the result objects."""
     from radixserve.sim.cacheonly import CacheOnlyResult
     from radixserve.sim.replay import ReplayResult
-    from radixserve.sim.sweep import cell_key, read_journal, run_grid
+    from radixserve.sim.sweep import run_grid
 
     journal = None
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         journal = Path(args.out) / "cells.jsonl"
-        done = read_journal(journal)
-        resumed = sum(cell_key(c) in done for c in cells)
-        if resumed:
-            log.info("resuming: %d of %d cells are already in %s", resumed, len(cells), journal)
     _LOADED.update(trace=trace, unique=unique)
     dicts = run_grid(
         cells,
@@ -300,7 +284,7 @@ def _sweep(args: argparse.Namespace, cells: list[dict], trace, unique: int):
 
 
 def _cache_only(args, trace, results, bound, unique, unit) -> int:
-    from radixserve.sim.report import cache_only_table, write_json
+    from radixserve.sim.report import cache_only_table
 
     print(
         f"Pure cache simulation of {args.trace}: {len(trace):,} requests in arrival order, "
@@ -308,19 +292,28 @@ def _cache_only(args, trace, results, bound, unique, unit) -> int:
     )
     print(cache_only_table(results, unit, infinite_bound=bound))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(
-            out / "cache_only.json",
-            results,
-            trace=args.trace,
-            requests=len(trace),
-            unique=unique,
-            unit=unit,
-            infinite_cache_bound=bound,
+        out = _write_results(
+            args, "cache_only.json", results, trace, bound, unique=unique, unit=unit
         )
         log.info("wrote %s", out / "cache_only.json")
     return 0
+
+
+def _write_results(args, name: str, results, trace, bound: float, **extra) -> Path:
+    """Write `results` as JSON to `name` under `--out`, with the trace's figures; the folder."""
+    from radixserve.sim.report import write_json
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(
+        out / name,
+        results,
+        trace=args.trace,
+        requests=len(trace),
+        **extra,
+        infinite_cache_bound=bound,
+    )
+    return out
 
 
 def cmd_study(args: argparse.Namespace) -> int:

@@ -297,7 +297,3 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self.switches.append((self.references, expert))
         if self.cache is not None:
             self.cache.refresh_all_eviction_keys()
-
-    def estimates(self) -> dict[str, float | None]:
-        """Each shadow's hit rate on sampled pages in the last epoch (None before one)."""
-        return dict(self._rate)

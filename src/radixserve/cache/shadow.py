@@ -99,15 +99,11 @@ class _Shadow:
             self._insert(page)
         while len(present) > self.capacity:
             self._evict()
-        self._after(hits)
         return len(hits)
 
     def access(self, page: int) -> bool:
         """One use of one page; True if it was cached."""
         return bool(self.reference([page]))
-
-    def _after(self, hits: list[int]) -> None:
-        """Hook run once a reference's misses are in."""
 
 
 class LRUShadow(_Shadow):
@@ -116,12 +112,12 @@ class LRUShadow(_Shadow):
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._pages: OrderedDict[int, None] = OrderedDict()
-        self._present = self._pages
 
     def __len__(self) -> int:
         return len(self._pages)
 
     def reference(self, pages: list[int]) -> int:
+        # The base class's steps, written out on one OrderedDict without a call per page.
         cached = self._pages
         hits = [page for page in pages if page in cached]
         misses = len(pages) - len(hits)
@@ -138,15 +134,6 @@ class LRUShadow(_Shadow):
         for page in hits:  # the hits end newest: the new pages are deeper
             cached.move_to_end(page)
         return len(hits)
-
-    def _hit(self, page: int) -> None:
-        self._pages.move_to_end(page)
-
-    def _insert(self, page: int) -> None:
-        self._pages[page] = None
-
-    def _evict(self) -> None:
-        self._pages.popitem(last=False)
 
 
 class LFUShadow(_Shadow):

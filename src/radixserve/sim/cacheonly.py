@@ -29,9 +29,8 @@ from tqdm import tqdm
 from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.errors import InvalidArgumentError
-from radixserve.sched.request import pages
 from radixserve.sim.oracle import BeladyPolicy, served_sequence, unique_tokens
-from radixserve.sim.replay import make_policy
+from radixserve.sim.replay import check_capacity, make_policy, pool_size
 from radixserve.sim.traces import TraceRequest
 
 
@@ -55,29 +54,6 @@ class CacheOnlyResult:
         return asdict(self)
 
 
-def capacity(
-    trace: Sequence[TraceRequest],
-    unique: int,
-    page_size: int,
-    kv_tokens: int | None,
-    cache_fraction: float | None,
-) -> tuple[int, int]:
-    """(asked, used) KV tokens. `cache_fraction` is a percentage of `unique`; the pool is never
-    smaller than the largest request, below which that request could not be served at all."""
-    if (kv_tokens is None) == (cache_fraction is None):
-        raise InvalidArgumentError("give exactly one of kv_tokens and cache_fraction")
-    if kv_tokens is not None:
-        if not isinstance(kv_tokens, int) or kv_tokens < 1:
-            raise InvalidArgumentError(f"kv_tokens must be an integer >= 1, got {kv_tokens!r}")
-        asked = kv_tokens
-    else:
-        if not 0 < cache_fraction <= 100:
-            raise InvalidArgumentError(f"cache_fraction must be in (0, 100], got {cache_fraction}")
-        asked = max(1, round(cache_fraction / 100.0 * unique))
-    largest = max(len(served_sequence(r)) for r in trace)
-    return asked, pages(max(asked, largest), page_size)
-
-
 def simulate_cache(
     trace: Sequence[TraceRequest],
     eviction_policy: str = "lru",
@@ -97,9 +73,11 @@ def simulate_cache(
     """
     if not trace:
         raise InvalidArgumentError("the trace is empty")
+    check_capacity(kv_tokens, cache_fraction, "kv_tokens")
     if unique is None and cache_fraction is not None:
         unique = unique_tokens(trace)
-    asked, used = capacity(trace, unique or 0, page_size, kv_tokens, cache_fraction)
+    largest = max(len(served_sequence(r)) for r in trace)
+    asked, used = pool_size(kv_tokens, cache_fraction, unique or 0, largest, page_size)
     allocator = PagedTokenToKVPoolAllocator(used, page_size)
     policy = make_policy(eviction_policy, trace, page_size, whole_prompt=True)
     now = [0.0]  # a logical clock: one tick per request, so runs are deterministic

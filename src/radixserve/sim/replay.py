@@ -54,19 +54,27 @@ class ReplayConfig:
     check_invariants: bool = False
 
     def __post_init__(self) -> None:
-        if (self.kv_cache_tokens is None) == (self.cache_fraction is None):
-            raise InvalidArgumentError("give exactly one of kv_cache_tokens and cache_fraction")
-        if self.kv_cache_tokens is not None and (
-            not isinstance(self.kv_cache_tokens, int) or self.kv_cache_tokens < 1
-        ):
-            raise InvalidArgumentError(
-                f"kv_cache_tokens must be an integer >= 1, got {self.kv_cache_tokens!r}"
-            )
-        if self.cache_fraction is not None and not 0 < self.cache_fraction <= 100:
-            raise InvalidArgumentError(
-                f"cache_fraction must be in (0, 100], got {self.cache_fraction!r}"
-            )
+        check_capacity(self.kv_cache_tokens, self.cache_fraction, "kv_cache_tokens")
         parse_arrivals(self.arrivals)
+
+
+def check_capacity(kv_tokens: int | None, cache_fraction: float | None, name: str) -> None:
+    """Raise unless exactly one of a token count `name` (>= 1) and a percentage is given."""
+    if (kv_tokens is None) == (cache_fraction is None):
+        raise InvalidArgumentError(f"give exactly one of {name} and cache_fraction")
+    if kv_tokens is not None and (not isinstance(kv_tokens, int) or kv_tokens < 1):
+        raise InvalidArgumentError(f"{name} must be an integer >= 1, got {kv_tokens!r}")
+    if cache_fraction is not None and not 0 < cache_fraction <= 100:
+        raise InvalidArgumentError(f"cache_fraction must be in (0, 100], got {cache_fraction!r}")
+
+
+def pool_size(
+    kv_tokens: int | None, cache_fraction: float | None, unique: int, largest: int, page_size: int
+) -> tuple[int, int]:
+    """(asked, used) KV tokens: `kv_tokens`, or `cache_fraction` percent of `unique`. The pool
+    used is never smaller than `largest`, the biggest request, which could not run at all."""
+    asked = kv_tokens if kv_tokens is not None else max(1, round(cache_fraction / 100 * unique))
+    return asked, pages(max(asked, largest), page_size)
 
 
 def parse_arrivals(spec: str) -> tuple[str, float]:
@@ -152,16 +160,6 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
 
-def _capacity(trace: Sequence[TraceRequest], config: ReplayConfig, unique: int) -> tuple[int, int]:
-    page = config.page_size
-    if config.kv_cache_tokens is not None:
-        asked = config.kv_cache_tokens
-    else:
-        asked = max(1, round(config.cache_fraction / 100.0 * unique))
-    largest = max(len(r.input_ids) + r.output_len for r in trace)
-    return asked, pages(max(asked, largest), page)
-
-
 def make_policy(
     name: str, trace: Sequence[TraceRequest], page_size: int, *, whole_prompt: bool = False
 ) -> EvictionPolicy | BeladyPolicy:
@@ -187,7 +185,10 @@ def replay(
         raise InvalidArgumentError("the trace is empty")
     if unique is None:
         unique = unique_tokens(trace)
-    asked, kv_tokens = _capacity(trace, config, unique)
+    largest = max(len(r.input_ids) + r.output_len for r in trace)
+    asked, kv_tokens = pool_size(
+        config.kv_cache_tokens, config.cache_fraction, unique, largest, config.page_size
+    )
     now = [0.0]
 
     def clock() -> float:

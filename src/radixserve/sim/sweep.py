@@ -10,12 +10,15 @@ the same journal, the sweep reads the finished cells back and runs only the othe
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from radixserve.errors import InvalidArgumentError
+
+log = logging.getLogger("radixserve")
 
 
 def cell_key(cell: dict) -> str:
@@ -58,6 +61,10 @@ def run_grid(
     path = Path(journal) if journal is not None else None
     done = read_journal(path) if path is not None else {}
     todo = [cell for cell in cells if cell_key(cell) not in done]
+    if len(todo) < len(cells):
+        log.info(
+            "resuming: %d of %d cells are already in %s", len(cells) - len(todo), len(cells), path
+        )
     handle = None
     if path is not None:
         handle = path.open("a")

@@ -57,6 +57,12 @@ def _positive(**values: int) -> None:
             raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+def _ranges(least: int, **ranges: tuple[int, int]) -> None:
+    for name, (lo, hi) in ranges.items():
+        if not least <= lo <= hi:
+            raise InvalidArgumentError(f"{name} must be (lo, hi) with {least} <= lo <= hi")
+
+
 def shared_prefix(
     num_groups: int = 64,
     prompts_per_group: int = 16,
@@ -256,13 +262,7 @@ def mooncake_conversation(
     """
     _positive(num_sessions=num_sessions, num_apps=num_apps, max_turns=max_turns)
     _positive(block_size=block_size)
-    for name, (lo, hi) in (
-        ("app_blocks", app_blocks),
-        ("turn_blocks", turn_blocks),
-        ("output_tokens", output_tokens),
-    ):
-        if not 1 <= lo <= hi:
-            raise InvalidArgumentError(f"{name} must be (lo, hi) with 1 <= lo <= hi")
+    _ranges(1, app_blocks=app_blocks, turn_blocks=turn_blocks, output_tokens=output_tokens)
     if not mean_turns >= 1:
         raise InvalidArgumentError(f"mean_turns must be >= 1, got {mean_turns!r}")
     rng = np.random.default_rng(seed)
@@ -325,15 +325,8 @@ def chat_traffic(
     `input_length` ends inside its last block.
     """
     _positive(num_sessions=num_sessions, num_apps=num_apps, block_size=block_size)
-    for name, (lo, hi) in (
-        ("system_blocks", system_blocks),
-        ("message_blocks", message_blocks),
-        ("doc_blocks", doc_blocks),
-    ):
-        if not 1 <= lo <= hi:
-            raise InvalidArgumentError(f"{name} must be (lo, hi) with 1 <= lo <= hi")
-    if not 0 <= answer_blocks[0] <= answer_blocks[1]:
-        raise InvalidArgumentError("answer_blocks must be (lo, hi) with 0 <= lo <= hi")
+    _ranges(1, system_blocks=system_blocks, message_blocks=message_blocks, doc_blocks=doc_blocks)
+    _ranges(0, answer_blocks=answer_blocks)
     if not mean_turns >= 1 or not 0 <= doc_share <= 1 or not duration_s > 0:
         raise InvalidArgumentError("need mean_turns >= 1, 0 <= doc_share <= 1, duration_s > 0")
     if not think_median_s > 0 or not think_sigma >= 0:
