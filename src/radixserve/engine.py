@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +27,7 @@ from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
 from radixserve.errors import EngineError, InvalidArgumentError
 from radixserve.model.attention import AttentionMetadata, make_attention_backend
+from radixserve.model.grammar import GrammarBackend, GrammarSpec
 from radixserve.model.kv import KVPool
 from radixserve.model.loader import load_model
 from radixserve.model.sampling import SampleOutput, SamplingState, sample
@@ -138,6 +142,10 @@ class Engine:
         self._spared: set[str] = set()  # decode entries spared by the last failed step
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(config.seed)
+        self._grammar: GrammarBackend | None = None
+        self._grammar_lock = threading.Lock()
+        self._compiling: dict[str, Future] = {}  # requests whose grammar is being compiled
+        self._ended: list[Req] = []  # requests that ended before reaching the scheduler
         log.info(
             "model %s (%s, %.1fM parameters, %d layers, context %d) on %s in %s",
             self.model_name,
@@ -199,9 +207,43 @@ class Engine:
         state = SamplingState.create(
             params, req.input_ids, self.device, int(self._seeds.integers(2**62))
         )
+        compiled = self.compile_grammar(params)
         self._live[rid] = _Live(req, state, IncrementalDetokenizer(self.tokenizer, params.stop))
-        self.scheduler.add_request(req)
+        if compiled is None:
+            self.scheduler.add_request(req)
+        else:
+            self._compiling[rid] = compiled
+            self._admit_compiled()
         return rid
+
+    def compile_grammar(self, params: SamplingParams) -> Future | None:
+        """A future of the compiled grammar `params` asks for (None when it asks for none).
+
+        Compiling runs on a thread of its own and is cached by the grammar's text; a request
+        waits outside the scheduler's batches until its grammar is ready, so no step waits on
+        it. The future raises `InvalidArgumentError` (naming the field) for a bad grammar.
+        """
+        if params.grammar is None:
+            return None
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarBackend(self.tokenizer, self.model.config.vocab_size)
+        return self._grammar.compile(GrammarSpec(*params.grammar))
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar has compiled; end those whose grammar failed."""
+        for rid, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            live = self._live[rid]
+            error = future.exception()
+            if error is not None:
+                live.req.finish_reason = FinishReason("abort", message=str(error), cause="invalid")
+                self._ended.append(live.req)
+                continue
+            live.sampling.matcher = self._grammar.matcher(future.result())
+            self.scheduler.add_request(live.req)
 
     def prepare_request(
         self, prompt: str | Sequence[int], sampling_params: dict | SamplingParams | None = None
@@ -236,15 +278,25 @@ class Engine:
 
         The final chunk comes out of the next `step()`. False if it is not running.
         """
+        if self._compiling.pop(rid, None) is not None:
+            live = self._live[rid]
+            live.req.finish_reason = FinishReason("abort", message=message, cause=cause)
+            self._ended.append(live.req)
+            return True
         return self.scheduler.abort(rid, message, cause)
 
     def request_ids(self) -> list[str]:
-        """The ids of every request queued or running."""
-        return self.scheduler.request_ids()
+        """The ids of every request queued (its grammar compiling included) or running."""
+        return [*self._compiling, *self.scheduler.request_ids()]
 
     def has_work(self) -> bool:
         """True while a request is queued or running, or an ended one awaits its final chunk."""
-        return self.scheduler.has_work() or self.scheduler.has_finished()
+        return bool(
+            self.scheduler.has_work()
+            or self.scheduler.has_finished()
+            or self._compiling
+            or self._ended
+        )
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -259,6 +311,10 @@ class Engine:
         the scheduler itself fails, the exception propagates and `recover()` is the way back.
         """
         chunks: dict[str, StreamChunk] = {}
+        if self._compiling:
+            if not self.scheduler.has_work():  # nothing else to do: wait a little, not spin
+                wait_futures(list(self._compiling.values()), 0.01, FIRST_COMPLETED)
+            self._admit_compiled()
         batch = self.scheduler.step()
         if batch is not None:
             self._sampling_started = False
@@ -272,7 +328,8 @@ class Engine:
                 self._fail(self._doomed(batch), exc, chunks)
             else:
                 self._spared.clear()
-        for req in self.scheduler.pop_finished():
+        ended, self._ended = self._ended, []
+        for req in [*ended, *self.scheduler.pop_finished()]:
             self._finish(req, chunks)
         return list(chunks.values())
 
@@ -327,8 +384,26 @@ class Engine:
         if live is None:
             return
         self._push_new_tokens(req, live, chunks)
-        if live.detok.stopped is not None and not req.finished:
+        if req.finished:
+            return
+        matcher = live.sampling.matcher
+        if live.detok.stopped is not None:
             self.scheduler.finish(req.rid, FinishReason("stop", matched=live.detok.stopped))
+        elif matcher is not None and matcher.stuck:
+            self.scheduler.abort(
+                req.rid,
+                "the grammar allows no token of this model's vocabulary after "
+                f"{len(req.output_ids) - 1} output token(s)",
+                cause="invalid",
+            )
+        elif matcher is not None and matcher.rejected is not None:
+            self.scheduler.abort(
+                req.rid,
+                f"the grammar refused sampled token {matcher.rejected}",
+                cause="error",
+            )
+        elif matcher is not None and matcher.terminated:
+            self.scheduler.finish(req.rid, FinishReason("stop", matched=req.output_ids[-1]))
 
     def _push_new_tokens(self, req: Req, live: _Live, chunks: dict[str, StreamChunk]) -> None:
         new_ids = req.output_ids[live.seen :]

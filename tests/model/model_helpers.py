@@ -102,3 +102,50 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A chat template that knows nothing of tools (as SmolLM2's)."""
+
+CHATML_TOOLS = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "Functions:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    'Call one as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A Qwen2.5-style template: tools in the system turn, calls in <tool_call> tags."""
+
+
+def byte_checkpoint(path: Path, chat_template: str = CHATML, seed: int = 0) -> Path:
+    """A tiny random Llama over a byte-level BPE tokenizer (256 byte tokens, no merges, and
+    the special tokens <|im_start|> and <|im_end|>, the latter the end of sequence), so that
+    it can write any text: JSON, tool calls."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")]
+    )
+    tiny_checkpoint(
+        path, "llama", seed=seed, vocab_size=264, eos_token_id=257, max_position_embeddings=4096
+    )
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": chat_template, "eos_token": "<|im_end|>"})
+    )
+    return path

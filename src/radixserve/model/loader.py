@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -369,7 +370,7 @@ def _read_gguf(path: Path):
         }
     )
     weights = _Weights(config, tensors, types, exact)
-    name = str(_field(reader, "general.name", path.stem))
+    name = gguf_model_name(path)
     return weights, gguf_tokenizer(reader), name, config.max_position_embeddings
 
 
@@ -396,6 +397,16 @@ def _pre_tokenizer(pre: str):
     if pre in ("gpt2", "default"):
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     raise InvalidArgumentError(f"GGUF pre-tokenizer {pre!r} is not supported")
+
+
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d[A-Za-z0-9_]*|F16|F32|BF16|FP16|FP32)$", re.IGNORECASE)
+
+
+def gguf_model_name(path: Path) -> str:
+    """The name a GGUF file is served under: its stem without the quantization tag
+    (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`). `general.name` is not
+    used: converters fill it with training-run names nobody would type."""
+    return _QUANT_SUFFIX.sub("", path.stem) or path.stem
 
 
 def gguf_tokenizer(reader) -> TextTokenizer:

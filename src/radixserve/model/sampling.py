@@ -3,7 +3,8 @@
 `sample(logits, states)` takes one row of logits per request and one `SamplingState` per row.
 A state carries the request's parameters, its token counts (for penalties) and its own
 `torch.Generator`, so a seeded request draws the same tokens whatever else is in the batch.
-Temperature 0 is greedy and ignores the seed.
+Temperature 0 is greedy and ignores the seed. A request with a grammar only ever samples a
+token its grammar allows (the mask comes before penalties, filters and logprobs).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.model.grammar import GrammarMatcher, apply_masks
 from radixserve.sched.request import SamplingParams
 
 
@@ -23,6 +25,7 @@ class SamplingState:
     prompt_ids: torch.Tensor
     generator: torch.Generator | None = None
     output_counts: dict[int, int] = field(default_factory=dict)
+    matcher: GrammarMatcher | None = None
 
     @classmethod
     def create(
@@ -36,8 +39,10 @@ class SamplingState:
         return cls(params, prompt, generator)
 
     def observe(self, token: int) -> None:
-        """Record a generated token (for frequency, presence and repetition penalties)."""
+        """Record a generated token (for penalties, and to advance the grammar if any)."""
         self.output_counts[token] = self.output_counts.get(token, 0) + 1
+        if self.matcher is not None:
+            self.matcher.accept(token)
 
 
 @dataclass
@@ -87,6 +92,7 @@ def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampleOutput]:
     """One next token per row of `logits` [B, vocab], each by its own request's rules."""
     logits = logits.float()
+    apply_masks(logits, [s.matcher for s in states])
     want_logprobs = any(s.params.logprobs is not None for s in states)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     greedy_rows = [
@@ -120,6 +126,10 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampleOutp
             out.logprob = float(logprobs[i, token])
             if n:
                 top = torch.topk(logprobs[i], n)
-                out.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                out.top_logprobs = [  # a grammar may leave fewer than n tokens possible
+                    (t, lp)
+                    for t, lp in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                    if lp > float("-inf")
+                ]
         outputs.append(out)
     return outputs

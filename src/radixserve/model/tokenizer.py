@@ -65,12 +65,21 @@ class TextTokenizer:
             if not isinstance(m.get("content", ""), str):
                 raise InvalidArgumentError(f"messages[{i}].content must be a string")
         template = _compile(self.chat_template)
-        return template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            **self.special_tokens,
-            **kwargs,
-        )
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+                **kwargs,
+            )
+        except InvalidArgumentError:
+            raise
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise InvalidArgumentError(
+                f"the chat template failed on these messages: {exc}"
+            ) from None
 
 
 _COMPILED: dict[str, object] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -27,12 +28,17 @@ def _check_range(name: str, value: float, lo: float, hi: float, *, integer: bool
         )
 
 
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+"""Sampling params that constrain the output to a grammar (at most one per request)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample one request. Every field is validated; a bad value names itself.
 
     `stop_token_ids` always stop; the model's end-of-sequence ids stop unless `ignore_eos`.
     `stop` strings are matched by the engine's detokenizer, across token boundaries.
+    At most one of `GRAMMAR_FIELDS` constrains the output; the engine compiles it.
     """
 
     max_new_tokens: int = 128
@@ -48,6 +54,10 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         _check_range("max_new_tokens", self.max_new_tokens, 0, 2**31 - 1, integer=True)
@@ -74,6 +84,24 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise InvalidArgumentError("stop_token_ids must be non-negative integers")
         object.__setattr__(self, "stop_token_ids", ids)
+        grammars = [k for k in GRAMMAR_FIELDS if getattr(self, k) is not None]
+        for k in grammars:
+            if not isinstance(getattr(self, k), str) or not getattr(self, k):
+                raise InvalidArgumentError(f"{k} must be a non-empty string", field=k)
+        if len(grammars) > 1:
+            raise InvalidArgumentError(
+                f"give at most one of {', '.join(GRAMMAR_FIELDS)}; got {', '.join(grammars)}",
+                field=grammars[1],
+            )
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, source) of the grammar the output must follow, or None."""
+        for kind in GRAMMAR_FIELDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @classmethod
     def from_dict(cls, params: dict | SamplingParams | None) -> SamplingParams:
@@ -90,15 +118,24 @@ class SamplingParams:
                 f"unknown sampling parameter(s): {sorted(unknown)}", field=sorted(unknown)[0]
             )
         values = dict(params)
-        if "stop" in values and values["stop"] is not None:
-            stop = values["stop"]
-            values["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
-        elif "stop" in values:
-            values["stop"] = ()
-        if values.get("stop_token_ids") is not None:
-            values["stop_token_ids"] = frozenset(values["stop_token_ids"])
-        else:
-            values.pop("stop_token_ids", None)
+        for name in ("stop", "stop_token_ids"):
+            value = values.get(name)
+            if value is None:
+                values.pop(name, None)
+            elif isinstance(value, str) and name == "stop":
+                values[name] = (value,)
+            elif isinstance(value, (list, tuple)) and all(
+                isinstance(v, str if name == "stop" else int) for v in value
+            ):
+                values[name] = tuple(value)
+            else:
+                kind = "strings" if name == "stop" else "integer token ids"
+                raise InvalidArgumentError(f"{name} must be a list of {kind}", field=name)
+        if not isinstance(values.get("ignore_eos", False), bool):
+            raise InvalidArgumentError("ignore_eos must be true or false", field="ignore_eos")
+        for kind in ("json_schema", "structural_tag"):  # SGLang takes these as JSON text
+            if isinstance(values.get(kind), (dict, list)):
+                values[kind] = json.dumps(values[kind])
         return cls(**values)
 
 
@@ -109,9 +146,10 @@ class ReqState(enum.Enum):
     FINISHED = "finished"
 
 
-ABORT_CAUSES = ("client", "timeout", "shutdown", "error", "memory", "too_long")
+ABORT_CAUSES = ("client", "timeout", "shutdown", "error", "memory", "too_long", "invalid")
 """Why an `abort` happened: the client went away or asked; a server-side timeout; the server
-is shutting down; a model step failed; the KV pool ran out; the request can never fit."""
+is shutting down; a model step failed; the KV pool ran out; the request can never fit; the
+request's grammar does not compile."""
 
 
 @dataclass(frozen=True, slots=True)

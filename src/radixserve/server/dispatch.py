@@ -46,32 +46,46 @@ class Dispatcher:
         except InvalidArgumentError as exc:
             raise invalid_argument(exc) from None
 
-    async def chat_prompt(self, messages: list[dict]) -> list[int]:
+    async def chat_prompt(self, messages: list[dict], **template_args) -> list[int]:
         """The token ids of `messages` under the model's chat template."""
         tokenizer = self.engine.tokenizer
 
         def render() -> list[int]:
             try:
-                text = tokenizer.apply_chat_template(messages)
+                text = tokenizer.apply_chat_template(messages, **template_args)
                 return tokenizer.encode(text, add_special_tokens=False)
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(str(exc), field="messages") from None
 
         return await self.off_thread(render)
 
-    async def start(self, request: Request, jobs: Sequence[tuple[str | list[int], dict]]) -> Group:
-        """Validate and encode (prompt, sampling params) jobs off the event loop, then submit
-        them all or none (429 when the queue is full, 503 while shutting down)."""
+    async def start(
+        self,
+        request: Request,
+        jobs: Sequence[tuple[str | list[int], dict]],
+        grammar_param: str | None = None,
+    ) -> Group:
+        """Validate and encode (prompt, sampling params) jobs off the event loop, compile any
+        grammar they ask for (a bad one is a 400 naming `grammar_param`, else its own field),
+        then submit them all or none (429 when the queue is full, 503 while shutting down)."""
         request_id = request.state.request_id
 
-        def build() -> list[Part]:
-            parts = []
+        def build() -> tuple[list[Part], list]:
+            parts, grammars = [], []
             for k, (prompt, params) in enumerate(jobs):
                 ids, checked = self.engine.prepare_request(prompt, params)
                 parts.append(Part(ids, checked, f"{request_id}-{k}"))
-            return parts
+                grammars.append(self.engine.compile_grammar(checked))
+            return parts, grammars
 
-        parts = await self.off_thread(build)
+        parts, grammars = await self.off_thread(build)
+        for compiled in {id(g): g for g in grammars if g is not None}.values():
+            try:
+                await asyncio.wrap_future(compiled)
+            except InvalidArgumentError as exc:
+                error = invalid_argument(exc)
+                error.param = grammar_param or error.param
+                raise error from None
         try:
             queues = await self.worker.submit(parts)
         except QueueFullError as exc:

@@ -22,6 +22,7 @@ _ABORT_STATUS = {
     "error": (500, "engine_error"),
     "memory": (503, "out_of_memory"),
     "too_long": (400, "context_length_exceeded"),
+    "invalid": (400, "invalid_grammar"),
 }
 
 
@@ -56,7 +57,8 @@ def check_result(result: GenerateResult) -> GenerateResult:
     message = result.error or "the request was aborted"
     if status >= 500:
         message = f"{message} (request id {result.rid})"
-    raise APIError(status, message, "max_tokens" if status == 400 else None, code)
+    param = "max_tokens" if result.abort_cause == "too_long" else None
+    raise APIError(status, message, param, code)
 
 
 def invalid_argument(exc: InvalidArgumentError) -> APIError:

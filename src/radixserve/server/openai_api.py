@@ -1,7 +1,13 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions and /v1/models."""
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions and /v1/models.
+
+Chat takes content parts, `response_format` (JSON mode and JSON schema, enforced by a grammar)
+and `tools` / `tool_choice` / `parallel_tool_calls` (calls parsed back into `tool_calls`, and
+forced by a grammar for `required` or a named function).
+"""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -12,8 +18,10 @@ from fastapi import FastAPI, Request
 from radixserve.engine import Engine, GenerateResult, StreamChunk
 from radixserve.server.dispatch import Dispatcher, Group
 from radixserve.server.errors import APIError
+from radixserve.server.messages import template_messages
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.sse import sse
+from radixserve.server.tools import ToolCallParser, check_tools, chosen_tools, tool_format
 
 
 @dataclass(frozen=True)
@@ -132,28 +140,36 @@ def add_openai_routes(
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = 256
-        prompt = await dispatcher.chat_prompt([m.model_dump() for m in body.messages])
+        all_tools = check_tools(body.tools or [])
+        tools, mode = chosen_tools(all_tools, body.tool_choice)
+        fmt = tool_format(engine.tokenizer.chat_template)
+        shown = all_tools if mode != "none" else []
+        messages, template_args = template_messages(body.messages, fmt, shown)
+        prompt = await dispatcher.chat_prompt(messages, **template_args)
         top = body.top_logprobs if body.logprobs else None
         params = sampling(body, max_tokens, (top or 0) if body.logprobs else None)
+        grammar = _response_grammar(body)
+        if mode in ("required", "forced"):
+            if grammar is not None:
+                raise APIError(
+                    400,
+                    "response_format cannot be combined with tool_choice "
+                    f"{body.tool_choice!r}: the output is a tool call",
+                    "response_format",
+                )
+            grammar = ("structural_tag", fmt.grammar(tools, mode, body.parallel_tool_calls))
+        if grammar is not None:
+            params[grammar[0]] = grammar[1]
         group = await dispatcher.start(
-            request, [(prompt, _seeded(params, i)) for i in range(body.n)]
+            request,
+            [(prompt, _seeded(params, i)) for i in range(body.n)],
+            grammar_param="tools" if mode in ("required", "forced") else "response_format",
         )
-        shape = _Shape(
-            "chat",
-            lambda k, r: {
-                "index": k,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": None,
-                "finish_reason": _finish_reason(r),
-            },
-            lambda k, chunk: _choice_delta(
-                k,
-                {"content": chunk.text} if chunk.text else {},
-                _finish_reason(chunk.result) if chunk.finished else None,
-            ),
-            _usage,
-        )
-        return await respond(request, body, group, shape)
+        parsers = [
+            fmt.parser(tools, body.parallel_tool_calls) if mode != "none" else None
+            for _ in range(body.n)
+        ]
+        return await respond(request, body, group, _chat_shape(parsers))
 
     @app.get("/v1/models")
     async def models():
@@ -163,6 +179,60 @@ def add_openai_routes(
                 {"id": model_name, "object": "model", "created": created, "owned_by": "radixserve"}
             ],
         }
+
+
+def _chat_shape(parsers: list[ToolCallParser | None]) -> _Shape:
+    """Chat answers; with tools, each choice's text is split into content and tool calls."""
+
+    def choice(k: int, r: GenerateResult) -> dict:
+        message: dict = {"role": "assistant", "content": r.text}
+        reason = _finish_reason(r)
+        if parsers[k] is not None:
+            content, calls = parsers[k].parse(r.text)
+            if calls:
+                message = {
+                    "role": "assistant",
+                    "content": content,
+                    "tool_calls": [c.as_openai() for c in calls],
+                }
+                reason = "tool_calls"
+        return {"index": k, "message": message, "logprobs": None, "finish_reason": reason}
+
+    counts = [0] * len(parsers)
+
+    def delta(k: int, chunk: StreamChunk) -> dict:
+        parser = parsers[k]
+        if parser is None:
+            reason = _finish_reason(chunk.result) if chunk.finished else None
+            return _choice_delta(k, {"content": chunk.text} if chunk.text else {}, reason)
+        text, calls = parser.feed(chunk.text)
+        if chunk.finished:
+            more, last = parser.finish()
+            text, calls = text + more, calls + last
+        out: dict = {"content": text} if text else {}
+        if calls:
+            out["tool_calls"] = [c.as_openai(counts[k] + i) for i, c in enumerate(calls)]
+            counts[k] += len(calls)
+        reason = None
+        if chunk.finished:
+            reason = "tool_calls" if counts[k] else _finish_reason(chunk.result)
+        return _choice_delta(k, out, reason)
+
+    return _Shape("chat", choice, delta, _usage)
+
+
+def _response_grammar(body: ChatCompletionRequest) -> tuple[str, str] | None:
+    """The (sampling param, grammar) `response_format` asks for, or None."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return "json_schema", '{"type": "object"}'
+    spec = fmt.json_schema
+    if spec is None:
+        raise APIError(400, "response_format json_schema needs a 'json_schema'", "response_format")
+    schema = spec.schema_ if spec.schema_ is not None else {"type": "object"}
+    return "json_schema", json.dumps(schema)
 
 
 def _choice_delta(k: int, delta: dict, finish_reason: str | None) -> dict:
