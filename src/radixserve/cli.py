@@ -7,6 +7,7 @@ import contextlib
 import logging
 import math
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -382,6 +383,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             self.should_exit = True
 
     from radixserve.engine import Engine
+    from radixserve.model.grammar import xgrammar_available
     from radixserve.server.app import create_app
 
     engine = Engine(
@@ -393,12 +395,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_cache_tokens=args.kv_cache_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        enable_jump_forward=args.enable_jump_forward,
         max_running_requests=args.max_running_requests,
         dtype=args.dtype,
         weight_format=args.weight_format,
         device=args.device,
         threads=args.threads,
     )
+    if xgrammar_available():  # build the grammar compiler now, not on the first request
+        threading.Thread(target=engine.grammar_backend, daemon=True).start()
+    else:
+        log.info("xgrammar is not installed: response_format, tools and grammars are off")
     server: _GracefulServer | None = None
 
     def on_engine_failure(exc: BaseException) -> None:
@@ -559,6 +566,12 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="decode running requests in the same forward as a prefill chunk (default on)",
+    )
+    sv.add_argument(
+        "--enable-jump-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="append text a grammar forces without sampling it token by token (default on)",
     )
     sv.add_argument("--dtype", default=None)
     sv.add_argument(

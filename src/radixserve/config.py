@@ -24,6 +24,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     chunked_prefill_size: int = 2048
     enable_mixed_chunk: bool = True
+    enable_jump_forward: bool = True
     max_running_requests: int = 64
     dtype: str | None = None
     weight_format: str = "auto"

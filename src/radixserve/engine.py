@@ -225,10 +225,16 @@ class Engine:
         """
         if params.grammar is None:
             return None
+        return self.grammar_backend().compile(GrammarSpec(*params.grammar))
+
+    def grammar_backend(self) -> GrammarBackend:
+        """The grammar compiler for this model's vocabulary, built on first use (about a
+        second for a 49k vocabulary; `radixserve serve` builds it at startup). Raises
+        `InvalidArgumentError` when xgrammar is not installed."""
         with self._grammar_lock:
             if self._grammar is None:
                 self._grammar = GrammarBackend(self.tokenizer, self.model.config.vocab_size)
-        return self._grammar.compile(GrammarSpec(*params.grammar))
+            return self._grammar
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar has compiled; end those whose grammar failed."""
@@ -384,8 +390,28 @@ class Engine:
         if live is None:
             return
         self._push_new_tokens(req, live, chunks)
-        if req.finished:
+        if req.finished or self._ended_by_output(req, live):
             return
+        forced = self._jump_forward(live)
+        if forced:
+            self.scheduler.append_forced(req.rid, forced)
+            self._push_new_tokens(req, live, chunks)
+            if not req.finished:
+                self._ended_by_output(req, live)
+
+    def _jump_forward(self, live: _Live) -> list[int]:
+        """The tokens the request's grammar forces next (none without jump-forward, without a
+        grammar, or when logprobs are asked for, since forced tokens have none)."""
+        matcher = live.sampling.matcher
+        if matcher is None or not self.config.enable_jump_forward:
+            return []
+        if live.req.sampling.logprobs is not None or matcher.stuck or matcher.terminated:
+            return []
+        return matcher.jump_forward_tokens()
+
+    def _ended_by_output(self, req: Req, live: _Live) -> bool:
+        """End `req` if its output so far calls for it (a stop string, or its grammar done,
+        stuck or broken); True if it did."""
         matcher = live.sampling.matcher
         if live.detok.stopped is not None:
             self.scheduler.finish(req.rid, FinishReason("stop", matched=live.detok.stopped))
@@ -404,6 +430,9 @@ class Engine:
             )
         elif matcher is not None and matcher.terminated:
             self.scheduler.finish(req.rid, FinishReason("stop", matched=req.output_ids[-1]))
+        else:
+            return False
+        return True
 
     def _push_new_tokens(self, req: Req, live: _Live, chunks: dict[str, StreamChunk]) -> None:
         new_ids = req.output_ids[live.seen :]

@@ -236,3 +236,22 @@ def test_a_grammar_the_vocabulary_cannot_spell_fails_with_the_reason(tmp_path):
         assert r.finish_reason == "abort" and r.abort_cause == "invalid"
         assert "allows no token" in r.error
     assert results[2].finish_reason == "length" and len(results[2].token_ids) == 5
+
+
+def test_jump_forward_writes_forced_text_without_a_step_per_token(tmp_path):
+    """Forced text (here a literal of ~30 bytes) is appended at once; the output still
+    matches, and a request that wants logprobs gets one per token instead."""
+    path = byte_checkpoint(tmp_path)
+    regex = r"The answer, in two digits, is: [0-9]{2}\."
+    runs = {}
+    for jump in (False, True):
+        engine = make_engine(path, dtype="float64", enable_jump_forward=jump)
+        [result] = _run(engine, "q", {"max_new_tokens": 60, "regex": regex})
+        stats = engine.scheduler.stats
+        runs[jump] = (result, stats.decode_batches + stats.extend_batches)
+        assert re.fullmatch(regex, result.text)
+    (off, off_steps), (on, on_steps) = runs[False], runs[True]
+    assert off_steps >= len(off.token_ids) and on_steps <= 6
+    assert on.text == off.text  # the model had nothing to choose in the literal
+    [logged] = _run(engine, "q", {"max_new_tokens": 60, "regex": regex, "logprobs": 0})
+    assert len(logged.logprobs) == len(logged.token_ids) and re.fullmatch(regex, logged.text)

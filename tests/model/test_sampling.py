@@ -45,6 +45,15 @@ def test_greedy_ignores_the_seed_and_sampling_follows_it():
     assert draws_a == draws_b
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-8])
+def test_a_vanishing_temperature_is_greedy_not_a_crash(temperature):
+    """Found by the fuzz test: logits / 5e-324 overflow to inf, and softmax gave NaN."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1)) * 30
+    tiny = state(temperature=temperature, seed=1, frequency_penalty=0.5)
+    picked = sample(logits, [tiny, state(temperature=temperature)])
+    assert [p.token for p in picked] == logits.argmax(dim=-1).tolist()
+
+
 def test_penalties_push_seen_tokens_down():
     logits = torch.zeros(1, 5)
     logits[0, 2] = 1.0

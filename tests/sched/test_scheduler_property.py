@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from sched_helpers import StepClock, counting_model, make_scheduler, req
 
 from radixserve.cache import available_eviction_policies
+from radixserve.sched.scheduler import Batch, ForwardMode
 
 PIECES = ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [1, 2, 3, 13, 14, 15])
 
@@ -26,6 +27,22 @@ request_spec = st.fixed_dictionaries(
 )
 
 
+def checked_counting_model(batch: Batch) -> list[int]:
+    """The counting model, after checking each entry hands over the request's own tokens
+    from its prefix on, with one new slot per token."""
+    for e in batch.entries:
+        start = len(e.prefix_slots)
+        assert len(e.new_slots) == len(e.token_ids) >= 1
+        assert e.token_ids.tolist() == e.req.token_ids()[start : start + len(e.token_ids)].tolist()
+        if e.is_decode:
+            assert start + 1 == e.req.seq_len
+    if batch.mode is ForwardMode.DECODE:
+        assert all(e.is_decode for e in batch.entries)
+    flags = [e.is_decode for e in batch.entries]
+    assert flags == sorted(flags), "decode entries come last"
+    return counting_model(batch)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     specs=st.lists(request_spec, min_size=1, max_size=12),
@@ -37,10 +54,13 @@ request_spec = st.fixed_dictionaries(
     priority=st.booleans(),
     ratio=st.sampled_from([0.1, 0.7]),
     mixed=st.booleans(),
+    jump=st.sampled_from([0, 0, 1, 3]),
 )
 def test_every_request_ends_exactly_once_and_nothing_leaks(
-    specs, page_size, pool_pages, chunk, schedule, eviction, priority, ratio, mixed
+    specs, page_size, pool_pages, chunk, schedule, eviction, priority, ratio, mixed, jump
 ):
+    """`jump` > 0: every few tokens a running request is handed `jump` forced tokens, as a
+    grammar's jump-forward does; the outputs must come out the same."""
     clock = StepClock()
     sched = make_scheduler(
         pool=pool_pages * page_size,
@@ -70,8 +90,12 @@ def test_every_request_ends_exactly_once_and_nothing_leaks(
                 sched.add_request(r)
             if spec["abort_after"] is not None and spec["arrival"] + spec["abort_after"] == step:
                 sched.abort(r.rid, "client went away")
-        sched.run_step(counting_model)
+        sched.run_step(checked_counting_model)
         sched.check_invariants()
+        for r in list(sched.running) if jump else []:
+            if len(r.output_ids) % 4 == 1:
+                sched.append_forced(r.rid, [1000 + r.seq_len + k for k in range(jump)])
+                sched.check_invariants()
         for r in sched.pop_finished():
             ended[r.rid] = ended.get(r.rid, 0) + 1
         if step > 31 and not sched.has_work():
@@ -83,6 +107,7 @@ def test_every_request_ends_exactly_once_and_nothing_leaks(
     event(f"preempted: {sched.stats.preemptions > 0}")
     event(f"evicted: {sched.stats.evicted_tokens > 0}")
     event(f"mixed: {sched.stats.mixed_batches > 0}")
+    event(f"jump-forward: {jump > 0}")
     for spec, r in reqs:
         reason = r.finish_reason
         if reason.kind == "length":

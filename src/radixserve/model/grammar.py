@@ -169,9 +169,10 @@ class GrammarMatcher:
         """True once the grammar is complete and a stop token was accepted."""
         return self._matcher.is_terminated()
 
-    def jump_forward_string(self) -> str:
-        """The text the grammar forces next, whatever is sampled ("" when none)."""
-        return self._matcher.find_jump_forward_string()
+    def jump_forward_tokens(self) -> list[int]:
+        """Token ids spelling the text the grammar forces next, whatever the model would
+        sample ([] when nothing is forced). The matcher is not advanced."""
+        return list(self._matcher.find_jump_forward_tokens())
 
 
 def apply_masks(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> None:

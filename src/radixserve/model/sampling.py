@@ -3,8 +3,9 @@
 `sample(logits, states)` takes one row of logits per request and one `SamplingState` per row.
 A state carries the request's parameters, its token counts (for penalties) and its own
 `torch.Generator`, so a seeded request draws the same tokens whatever else is in the batch.
-Temperature 0 is greedy and ignores the seed. A request with a grammar only ever samples a
-token its grammar allows (the mask comes before penalties, filters and logprobs).
+Temperature 0 (or below `GREEDY_BELOW`) is greedy and ignores the seed. A request with a
+grammar only ever samples a token its grammar allows (the mask comes before penalties, filters
+and logprobs).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class SamplingState:
         cls, params: SamplingParams, prompt_ids, device: torch.device | str, fallback_seed: int
     ) -> SamplingState:
         generator = None
-        if params.temperature > 0:
+        if not is_greedy(params):
             generator = torch.Generator(device=device)
             generator.manual_seed(params.seed if params.seed is not None else fallback_seed)
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
@@ -43,6 +44,14 @@ class SamplingState:
         self.output_counts[token] = self.output_counts.get(token, 0) + 1
         if self.matcher is not None:
             self.matcher.accept(token)
+
+
+GREEDY_BELOW = 1e-5
+"""Temperatures under this are greedy: dividing logits by a subnormal one overflows to inf."""
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_BELOW
 
 
 @dataclass
@@ -98,7 +107,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampleOutp
     greedy_rows = [
         i
         for i, s in enumerate(states)
-        if s.params.temperature == 0
+        if is_greedy(s.params)
         and s.params.repetition_penalty == 1.0
         and not (s.params.frequency_penalty or s.params.presence_penalty)
     ]
@@ -113,7 +122,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampleOutp
             continue
         p = state.params
         row = apply_penalties(logits[i].clone(), state)
-        if p.temperature == 0:
+        if is_greedy(p):
             tokens[i] = int(row.argmax())
             continue
         probs = filter_probs(torch.softmax(row / p.temperature, dim=-1), p.top_k, p.top_p, p.min_p)

@@ -358,7 +358,8 @@ class Scheduler:
             return None
         budget = self.config.chunked_prefill_size
         if self.config.enable_mixed_chunk and self.running:
-            budget = max(self.page_size, budget - len(self.running))
+            pending = sum(r.seq_len - r.kv_len for r in self.running)
+            budget = max(self.page_size, budget - pending)
         rnd = _Round(reserved=self._reserved(), chunk_left=budget)
         req = self.prefilling
         if req is not None:
@@ -529,23 +530,26 @@ class Scheduler:
         if not entries:
             return None
         self.stats.decode_batches += 1
-        return Batch(ForwardMode.DECODE, entries)
+        mode = ForwardMode.DECODE if entries[0].is_decode else ForwardMode.EXTEND
+        return Batch(mode, entries)
+
+    def _slots_short(self, req: Req) -> int:
+        """Slots `req` lacks for the KV of every token it holds (pages, 0 when it has them)."""
+        return max(0, pages(req.seq_len, self.page_size) - req.kv_allocated)
 
     def _decode_entries(self, retract: bool) -> list[BatchEntry]:
-        """One decode entry per running request, with a slot for its next token.
+        """One entry per running request, with slots for the tokens whose KV is not computed:
+        its last sampled token, plus any forced after it (`append_forced`). Entries of several
+        tokens are extend entries (`is_decode` false) and come first.
 
         Short of memory, `retract` sends requests back to the queue until the rest fit; without
         it (a decode riding in an extend batch) nothing is decoded this step instead.
         """
-        page = self.page_size
-        if not retract:
-            needing = [r for r in self.running if r.kv_len >= r.kv_allocated]
-            if len(needing) * page > self._capacity():
-                return []
+        if not retract and sum(self._slots_short(r) for r in self.running) > self._capacity():
+            return []
         retracted = False
         while True:
-            needing = [r for r in self.running if r.kv_len >= r.kv_allocated]
-            if len(needing) * page <= self._capacity():
+            if sum(self._slots_short(r) for r in self.running) <= self._capacity():
                 break
             if self.prefilling is not None:
                 victim = self.prefilling
@@ -561,22 +565,27 @@ class Scheduler:
             retracted = True
         if retracted:
             self.ratio.reestimate(self.running)
-        for r in needing:
-            slots = self._alloc(page)
-            if slots is None:  # pragma: no cover - capacity was checked above
-                raise CacheInvariantError("could not allocate a decode page within capacity")
-            r.append_slots(slots)
-        entries = [
-            BatchEntry(
-                r,
-                np.array(r.output_ids[-1:], dtype=np.int32),
-                r.kv_slots[: r.kv_len],
-                r.kv_slots[r.kv_len : r.kv_len + 1],
-                sample=True,
-                is_decode=True,
+        for r in self.running:
+            short = self._slots_short(r)
+            if short:
+                slots = self._alloc(short)
+                if slots is None:  # pragma: no cover - capacity was checked above
+                    raise CacheInvariantError("could not allocate a decode page within capacity")
+                r.append_slots(slots)
+        entries = []
+        for r in self.running:
+            n = r.seq_len - r.kv_len
+            entries.append(
+                BatchEntry(
+                    r,
+                    np.array(r.output_ids[-n:], dtype=np.int32),
+                    r.kv_slots[: r.kv_len],
+                    r.kv_slots[r.kv_len : r.kv_len + n],
+                    sample=True,
+                    is_decode=n == 1,
+                )
             )
-            for r in self.running
-        ]
+        entries.sort(key=lambda e: e.is_decode)  # stable: several-token entries first
         self.ratio.step()
         return entries
 
@@ -595,7 +604,9 @@ class Scheduler:
             if req.finished or req.state is ReqState.WAITING:
                 continue
             req.kv_len += len(entry.token_ids)
-            if not entry.is_decode:
+            if req.state is ReqState.RUNNING:
+                self.stats.decode_tokens += len(entry.token_ids)
+            else:
                 self.stats.computed_prefill_tokens += len(entry.token_ids)
                 self._release(req, finished=False)
                 if not entry.sample:
@@ -604,13 +615,27 @@ class Scheduler:
                     self.prefilling = None
                 req.state = ReqState.RUNNING
                 self.running.append(req)
-            else:
-                self.stats.decode_tokens += 1
             reason = self._append_token(req, int(token), now)
             if reason is not None:
                 self._release(req, finished=True)
                 self._end(req, reason)
         return self._finished[done_before:]
+
+    def append_forced(self, rid: str, tokens: Sequence[int]) -> bool:
+        """Append tokens a running request's grammar forces, as if decoded one by one (stop
+        tokens and `max_new_tokens` apply; the request may end here). Their KV is computed
+        with the next decode. False if `rid` is not running."""
+        req = self._rids.get(rid)
+        if req is None or req.state is not ReqState.RUNNING:
+            return False
+        now = self.clock()
+        for token in tokens:
+            reason = self._append_token(req, int(token), now)
+            if reason is not None:
+                self._release(req, finished=True)
+                self._end(req, reason)
+                break
+        return True
 
     def _append_token(self, req: Req, token: int, now: float) -> FinishReason | None:
         if req.remaining_new_tokens() == 0:
