@@ -54,6 +54,24 @@ def test_a_vanishing_temperature_is_greedy_not_a_crash(temperature):
     assert [p.token for p in picked] == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"top_p": 5e-324},
+        {"top_p": 1e-30, "top_k": 1},
+        {"repetition_penalty": 5e-324},
+        {"min_p": 1.0},
+    ],
+)
+def test_extreme_filters_and_penalties_still_draw_a_token(params):
+    """Found by the fuzz test in CI: top_p 5e-324 kept no token, and sampling raised."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(2)) * 10
+    [out] = sample(logits.clone(), [state(temperature=1.0, seed=4, **params)])
+    assert 0 <= out.token < 50
+    if "top_p" in params or "min_p" in params:
+        assert out.token == int(logits.argmax())
+
+
 def test_penalties_push_seen_tokens_down():
     logits = torch.zeros(1, 5)
     logits[0, 2] = 1.0

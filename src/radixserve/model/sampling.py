@@ -91,6 +91,7 @@ def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         keep_sorted = before < top_p * sorted_probs.sum()
+        keep_sorted[..., 0] = True  # a vanishing top_p still keeps the most likely token
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         probs = torch.where(keep, probs, torch.zeros_like(probs))
     if min_p > 0.0:
@@ -125,7 +126,8 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampleOutp
         if is_greedy(p):
             tokens[i] = int(row.argmax())
             continue
-        probs = filter_probs(torch.softmax(row / p.temperature, dim=-1), p.top_k, p.top_p, p.min_p)
+        scaled = torch.nan_to_num(row / p.temperature, posinf=torch.finfo(row.dtype).max)
+        probs = filter_probs(torch.softmax(scaled, dim=-1), p.top_k, p.top_p, p.min_p)
         tokens[i] = int(torch.multinomial(probs, 1, generator=state.generator))
     outputs = []
     for i, (state, token) in enumerate(zip(states, tokens, strict=True)):
