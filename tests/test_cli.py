@@ -90,3 +90,24 @@ def test_workload_args_reach_the_generator_and_bad_ones_exit_2(capsys):
     with pytest.raises(SystemExit):
         main(["replay", "trace.jsonl", "--workload-args", "num_agents=2"])
     assert "workload" in capsys.readouterr().err
+
+
+def test_replay_on_replicas_prints_every_router_and_writes_the_sweep(tmp_path, capsys):
+    out = tmp_path / "cluster"
+    args = ["replay", "workload:multi-turn-random", "--workload-args", "num_sessions=12,turns=3"]
+    assert main([*args, "--replicas", "2", "--cache", "4000", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == [
+        "round_robin",
+        "pow2",
+        "cache_aware",
+        "precise",
+        "one cache of 2x capacity (bound)",
+    ]
+    payload = json.loads((out / "cluster.json").read_text())
+    assert sorted({r["replicas"] for r in payload["replica_sweep"]}) == [1, 2, 4, 8]
+    assert (out / "replicas.png").read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--replicas", "2", "--router", "nearest"])
+    assert exc.value.code == 2

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import logging
 import math
 import sys
@@ -137,6 +139,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         elif args.format == "mooncake" or sniff_format(args.trace) == "mooncake":
             unit = "blocks"
     log.info("trace: %d requests, %d unique %s", len(trace), unique, unit)
+    if args.replicas:
+        return _cluster(args, trace, evictions, sizes, unique)
     cells = _grid(args, spec, evictions, sizes)
     results = _sweep(args, cells, trace, unique)
     if args.cache_only:
@@ -167,6 +171,72 @@ def cmd_replay(args: argparse.Namespace) -> int:
             "wrote %s",
             ", ".join(str(out / n) for n in ("replay.csv", "replay.json", "hit_rate.png")),
         )
+    return 0
+
+
+def _cluster(args, trace, evictions, sizes, unique) -> int:
+    """`replay --replicas N`: every router on N simulated replicas, beside the bound of one
+    cache with N times the capacity; with --out, also 1, 2, 4 and 8 replicas as a PNG."""
+    from radixserve.sched.routing import make_routing_policy
+    from radixserve.sim.cluster import cluster_table, plot_replica_sweep, replay_cluster
+    from radixserve.sim.replay import ReplayConfig, replay
+
+    if args.cache_only:
+        raise InvalidArgumentError("--replicas needs the scheduler: drop --cache-only")
+    routers = _split(args.router)
+    for router in routers:
+        make_routing_policy(router, 1)  # refuse a bad name before anything runs
+    cost_model = parse_cost_model(args.cost)
+    rows = []
+    for eviction in evictions:
+        for kind, size in sizes:
+            config = ReplayConfig(
+                eviction_policy=eviction,
+                schedule_policy=_split(args.schedule)[0],
+                page_size=args.page_size,
+                arrivals=args.arrivals,
+                max_running_requests=args.max_running_requests,
+                chunked_prefill_size=args.chunked_prefill_size,
+                cost_model=cost_model,
+                **{"kv_cache_tokens" if kind == "tokens" else "cache_fraction": size},
+            )
+            results = [
+                replay_cluster(trace, config, args.replicas, r, unique=unique) for r in routers
+            ]
+            big = dataclasses.replace(
+                config,
+                kv_cache_tokens=results[0].kv_tokens_per_replica * args.replicas,
+                cache_fraction=None,
+            )
+            bound = replay(trace, big, unique=unique).token_hit_rate
+            print(f"eviction {eviction}, {results[0].kv_tokens_per_replica} tokens per replica")
+            print(cluster_table(results, bound) + "\n")
+            rows.append({"config": [eviction, kind, size], "bound": bound, "results": results})
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        eviction, (kind, size) = evictions[0], sizes[0]
+        first = rows[0]["results"][0]
+        config = ReplayConfig(
+            eviction_policy=eviction,
+            kv_cache_tokens=first.kv_tokens_per_replica,
+            page_size=args.page_size,
+            arrivals=args.arrivals,
+            cost_model=cost_model,
+        )
+        sweep = [
+            replay_cluster(trace, config, n, r, unique=unique)
+            for n in (1, 2, 4, 8)
+            for r in routers
+        ]
+        plot_replica_sweep(out / "replicas.png", sweep, title=Path(args.trace).name)
+        payload = {
+            "replicas": args.replicas,
+            "cells": [{**row, "results": [r.as_dict() for r in row["results"]]} for row in rows],
+            "replica_sweep": [r.as_dict() for r in sweep],
+        }
+        (out / "cluster.json").write_text(json.dumps(payload, indent=1))
+        log.info("wrote %s and %s", out / "cluster.json", out / "replicas.png")
     return 0
 
 
@@ -518,6 +588,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument(
         "--jobs", type=int, default=1, help="run the grid's cells in this many processes"
+    )
+    rp.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="simulate this many replicas, each with the --cache pool, under each --router",
+    )
+    rp.add_argument(
+        "--router",
+        default="round_robin,pow2,cache_aware,precise",
+        help="comma-separated routing policies for --replicas",
     )
     rp.add_argument(
         "--out",

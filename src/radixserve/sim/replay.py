@@ -156,7 +156,24 @@ class ReplayResult:
         return asdict(self)
 
 
-def _percentile(values: list[float], q: float) -> float:
+def scripted_tokens(
+    batch: Batch, trace: Sequence[TraceRequest], index: dict[str, int]
+) -> list[int]:
+    """The model of a replay: each request's next token is the trace's answer, or past its
+    end a synthetic token no prompt uses."""
+    out = []
+    for entry in batch.entries:
+        req = entry.req
+        i, k = index[req.rid], len(req.output_ids)
+        answer = trace[i].output_ids
+        if answer is not None and k < len(answer):
+            out.append(int(answer[k]))
+        else:
+            out.append(_SYNTHETIC_BASE + (i * 65_536 + k) % _SYNTHETIC_BASE)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
 
@@ -217,18 +234,6 @@ def replay(
     if len(index) != len(trace):
         raise InvalidArgumentError("trace request ids must be unique")
 
-    def model(batch: Batch) -> list[int]:
-        out = []
-        for entry in batch.entries:
-            req = entry.req
-            i, k = index[req.rid], len(req.output_ids)
-            answer = trace[i].output_ids
-            if answer is not None and k < len(answer):
-                out.append(int(answer[k]))
-            else:
-                out.append(_SYNTHETIC_BASE + (i * 65_536 + k) % _SYNTHETIC_BASE)
-        return out
-
     kind, value = parse_arrivals(config.arrivals)
     if kind in ("burst", "closed-loop"):
         arrivals = [0.0] * len(trace)
@@ -274,7 +279,7 @@ def replay(
         wall += time.perf_counter() - tick
         if batch is not None:
             now[0] += config.cost_model.batch_time(batch)
-            tokens = model(batch)
+            tokens = scripted_tokens(batch, trace, index)
             tick = time.perf_counter()
             scheduler.process_batch_result(batch, tokens)
             wall += time.perf_counter() - tick
@@ -324,13 +329,13 @@ def replay(
         makespan=makespan,
         throughput_tokens_per_s=output_tokens / makespan if makespan > 0 else math.nan,
         requests_per_s=(n - failed) / makespan if makespan > 0 else math.nan,
-        ttft_p50=_percentile(ttft, 50),
-        ttft_p90=_percentile(ttft, 90),
-        ttft_p99=_percentile(ttft, 99),
-        e2e_p50=_percentile(e2e, 50),
-        e2e_p90=_percentile(e2e, 90),
-        e2e_p99=_percentile(e2e, 99),
-        queue_delay_p99=_percentile(queue, 99),
+        ttft_p50=percentile(ttft, 50),
+        ttft_p90=percentile(ttft, 90),
+        ttft_p99=percentile(ttft, 99),
+        e2e_p50=percentile(e2e, 50),
+        e2e_p90=percentile(e2e, 90),
+        e2e_p99=percentile(e2e, 99),
+        queue_delay_p99=percentile(queue, 99),
         evicted_tokens=stats.evicted_tokens,
         retractions=stats.retractions,
         offered_load=offered_load(trace, config.cost_model, config.arrivals),
