@@ -103,7 +103,8 @@ def test_replay_on_replicas_prints_every_router_and_writes_the_sweep(tmp_path, c
         "pow2",
         "cache_aware",
         "precise",
-        "one cache of 2x capacity (bound)",
+        "one server, 2x the pool",
+        "pure cache, 2x the pool (bound)",
     ]
     payload = json.loads((out / "cluster.json").read_text())
     assert sorted({r["replicas"] for r in payload["replica_sweep"]}) == [1, 2, 4, 8]

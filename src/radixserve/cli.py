@@ -175,9 +175,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cluster(args, trace, evictions, sizes, unique) -> int:
-    """`replay --replicas N`: every router on N simulated replicas, beside the bound of one
-    cache with N times the capacity; with --out, also 1, 2, 4 and 8 replicas as a PNG."""
+    """`replay --replicas N`: every router on N simulated replicas, beside N times the pool in
+    one place; with --out, also 1, 2, 4 and 8 replicas as a PNG."""
     from radixserve.sched.routing import make_routing_policy
+    from radixserve.sim.cacheonly import simulate_cache
     from radixserve.sim.cluster import cluster_table, plot_replica_sweep, replay_cluster
     from radixserve.sim.replay import ReplayConfig, replay
 
@@ -208,10 +209,20 @@ def _cluster(args, trace, evictions, sizes, unique) -> int:
                 kv_cache_tokens=results[0].kv_tokens_per_replica * args.replicas,
                 cache_fraction=None,
             )
-            bound = replay(trace, big, unique=unique).token_hit_rate
+            server = replay(trace, big, unique=unique).token_hit_rate
+            pure = simulate_cache(
+                trace, eviction, kv_tokens=big.kv_cache_tokens, page_size=args.page_size
+            ).hit_rate
             print(f"eviction {eviction}, {results[0].kv_tokens_per_replica} tokens per replica")
-            print(cluster_table(results, bound) + "\n")
-            rows.append({"config": [eviction, kind, size], "bound": bound, "results": results})
+            print(cluster_table(results, server, pure) + "\n")
+            rows.append(
+                {
+                    "config": [eviction, kind, size],
+                    "one_server_bound": server,
+                    "pure_cache_bound": pure,
+                    "results": results,
+                }
+            )
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
