@@ -477,6 +477,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chunked_prefill_size=args.chunked_prefill_size,
         enable_mixed_chunk=args.enable_mixed_chunk,
         enable_jump_forward=args.enable_jump_forward,
+        enable_kv_events=args.kv_events_endpoint is not None,
         max_running_requests=args.max_running_requests,
         dtype=args.dtype,
         weight_format=args.weight_format,
@@ -501,6 +502,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         watchdog=args.watchdog or None,
         on_engine_failure=on_engine_failure,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
@@ -658,6 +661,17 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="decode running requests in the same forward as a prefill chunk (default on)",
+    )
+    sv.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish the radix tree's KV events on this ZMQ PUB address "
+        "(e.g. tcp://127.0.0.1:5557; needs the events extra)",
+    )
+    sv.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="serve missed KV event batches on this ZMQ ROUTER address (e.g. tcp://127.0.0.1:5558)",
     )
     sv.add_argument(
         "--enable-jump-forward",

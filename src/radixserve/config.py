@@ -25,6 +25,7 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     enable_mixed_chunk: bool = True
     enable_jump_forward: bool = True
+    enable_kv_events: bool = False
     max_running_requests: int = 64
     dtype: str | None = None
     weight_format: str = "auto"

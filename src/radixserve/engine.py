@@ -118,6 +118,7 @@ class Engine:
             page_size=page,
             eviction_policy=config.eviction_policy,
             disable=not config.enable_radix_cache,
+            enable_kv_events=config.enable_kv_events,
         )
         sched_config = SchedulerConfig(
             schedule_policy=config.schedule_policy,

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.engine import Engine
+from radixserve.errors import InvalidArgumentError
 from radixserve.server.dispatch import Dispatcher, new_request_id
 from radixserve.server.errors import APIError, error_response
 from radixserve.server.metrics import ServerMetrics
@@ -45,15 +46,27 @@ def create_app(
     watchdog: float | None = 60.0,
     prepare_threads: int = 2,
     on_engine_failure: Callable[[BaseException], None] | None = None,
+    kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `engine`; the engine thread starts and stops with the app.
 
     `app.state.worker.drain(timeout)` is the graceful shutdown: new requests get 503, running
     ones finish or are aborted at the timeout. `on_engine_failure` is called (on the engine
     thread) if the engine thread dies; the process should then exit non-zero.
+    `kv_events_endpoint` (a ZMQ address, e.g. tcp://127.0.0.1:5557) publishes the tree's KV
+    events, and needs an engine built with `enable_kv_events`.
     """
     model_name = served_model_name or engine.model_name
     metrics = ServerMetrics()
+    publisher = None
+    if kv_events_endpoint is not None:
+        if not engine.cache.enable_kv_events:
+            raise InvalidArgumentError("kv_events_endpoint needs Engine(enable_kv_events=True)")
+        from radixserve.server.kv_events import KVEventPublisher
+
+        medium = "GPU" if engine.device.type == "cuda" else "CPU"
+        publisher = KVEventPublisher(kv_events_endpoint, kv_events_replay_endpoint, medium=medium)
     worker = EngineWorker(
         engine,
         max_queued_requests,
@@ -61,6 +74,7 @@ def create_app(
         watchdog=watchdog,
         on_chunk=metrics.on_chunk,
         on_fatal=on_engine_failure,
+        kv_events=publisher,
     )
     metrics.watch(worker)
     dispatcher = Dispatcher(engine, worker, prepare_threads)
@@ -73,6 +87,8 @@ def create_app(
         finally:
             worker.stop()
             dispatcher.close()
+            if publisher is not None:
+                publisher.close()
 
     app = FastAPI(title="radixserve", lifespan=lifespan)
     app.state.worker, app.state.engine, app.state.metrics = worker, engine, metrics

@@ -117,8 +117,10 @@ class EngineWorker:
         on_chunk: Callable[[StreamChunk, _Stream, float], None] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        kv_events=None,
     ) -> None:
         self.engine = engine
+        self.kv_events = kv_events  # a KVEventPublisher fed after every step, or None
         self.max_queued_requests = max_queued_requests
         self.request_timeout = request_timeout
         self.watchdog = watchdog
@@ -318,6 +320,8 @@ class EngineWorker:
 
     def _publish(self) -> None:
         self._snapshot = EngineSnapshot.of(self.engine, self.clock(), self._steps)
+        if self.kv_events is not None:
+            self.kv_events.publish(self.engine.cache.take_events())
 
     def _deliver_all(self, chunks: list[StreamChunk], now: float) -> None:
         for chunk in chunks:
