@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "radixserve"
-ORDER = ["cache", "sched", "model", "sim", "engine", "server"]
+ORDER = ["cache", "sched", "model", "sim", "engine", "server", "router"]
 
 
 def test_cache_sched_and_sim_import_without_torch():
@@ -39,3 +39,13 @@ def test_no_layer_imports_a_layer_above_it():
                 target = _layer(node.module)
                 if target is not None:
                     assert ORDER.index(target) <= ORDER.index(own), f"{rel} imports {node.module}"
+
+
+def test_nothing_but_the_cli_imports_the_router():
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] == "router" or rel.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("radixserve.router"), f"{rel} imports it"

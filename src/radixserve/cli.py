@@ -432,6 +432,28 @@ def cmd_study(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    """Route the serving API over running `radixserve serve` backends until interrupted."""
+    import uvicorn
+
+    from radixserve.model.loader import load_tokenizer
+    from radixserve.router.app import create_router_app
+
+    events = _split(args.kv_events) if args.kv_events else None
+    if args.policy == "precise" and not events:
+        raise InvalidArgumentError("--policy precise needs --kv-events, one endpoint per backend")
+    app = create_router_app(
+        args.backend, args.policy, load_tokenizer(args.model), events, page_size=args.page_size
+    )
+    print(
+        f"radixserve router on http://{args.host}:{args.port} over {len(args.backend)} "
+        f"backends ({args.policy})",
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until a signal (exit 0 after draining) or an engine failure (exit 1)."""
     import asyncio
@@ -708,6 +730,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="/health turns 503 when the engine makes no progress for this long (0: off)",
     )
     sv.set_defaults(func=cmd_serve)
+
+    ro = sub.add_parser(
+        "router",
+        help="route the serving API over several `radixserve serve` backends",
+        description="Pick a backend per request with a routing policy (radixserve.sched."
+        "routing); `precise` follows each backend's --kv-events-endpoint.",
+    )
+    ro.add_argument("--backend", action="append", required=True, help="a backend's base URL")
+    ro.add_argument(
+        "--policy",
+        default="cache_aware",
+        choices=("round_robin", "pow2", "cache_aware", "precise"),
+    )
+    ro.add_argument("--kv-events", help="comma-separated ZMQ endpoints, one per --backend")
+    ro.add_argument("--model", default=None, help="the served model (for its tokenizer)")
+    ro.add_argument("--page-size", type=int, default=1, help="the backends' page size")
+    ro.add_argument("--host", default="127.0.0.1")
+    ro.add_argument("--port", type=int, default=30100)
+    ro.set_defaults(func=cmd_router)
     return parser
 
 

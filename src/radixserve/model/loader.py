@@ -104,6 +104,21 @@ def default_model_path() -> Path:
     )
 
 
+def load_tokenizer(model: str | Path | None) -> TextTokenizer:
+    """The tokenizer and chat template of `model` (as `load_model` takes it), without its
+    weights: what a router needs to see prompts as the engines do."""
+    path = default_model_path() if model is None else Path(model)
+    if path.is_dir():
+        config_file = path / "config.json"
+        raw = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        return _hf_tokenizer(path, raw)
+    if path.suffix == ".gguf" and path.is_file():
+        from gguf import GGUFReader
+
+        return gguf_tokenizer(GGUFReader(str(path)))
+    raise ModelNotFoundError(f"model {path} is neither a Hugging Face directory nor a .gguf file")
+
+
 def load_model(
     model: str | Path | None,
     dtype: str | None,

@@ -65,6 +65,9 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
 def to_wire(event: tree_events.KVCacheEvent, medium: str) -> KVCacheEvent:
     """The wire form of one of the tree's events."""
     if isinstance(event, tree_events.BlockStored):
@@ -80,6 +83,26 @@ def to_wire(event: tree_events.KVCacheEvent, medium: str) -> KVCacheEvent:
     if isinstance(event, tree_events.BlockRemoved):
         return BlockRemoved(list(event.block_hashes), medium, _namespace(event.extra_key))
     return AllBlocksCleared()
+
+
+def from_wire(event: KVCacheEvent) -> tree_events.KVCacheEvent:
+    """The tree's form of a decoded wire event (the namespace comes back as text)."""
+    if isinstance(event, BlockStored):
+        return tree_events.BlockStored(
+            tuple(event.block_hashes),
+            event.parent_block_hash,
+            tuple(event.token_ids),
+            event.block_size,
+            event.namespace,
+        )
+    if isinstance(event, BlockRemoved):
+        return tree_events.BlockRemoved(tuple(event.block_hashes), event.namespace)
+    return tree_events.AllBlocksCleared()
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """A published payload, decoded; raises `msgspec.DecodeError` on anything else."""
+    return _DECODER.decode(payload)
 
 
 def _namespace(extra_key) -> str | None:

@@ -1,0 +1,1 @@
+"""A router in front of several engines; nothing inside radixserve imports it."""

@@ -1,0 +1,259 @@
+"""An HTTP router in front of several `radixserve serve` backends.
+
+It speaks the same API (`/v1/completions`, `/v1/chat/completions`, `/generate`, streaming
+passed through byte for byte), picks a backend per request with a
+`radixserve.sched.routing` policy, and, for `precise`, follows each backend's KV events over
+ZMQ. It tokenizes prompts with the served model's tokenizer and chat template, so page
+digests match the backends' trees for plain prompts and chats (a request with tools is
+rendered differently by the backend; it is then routed as if it had no cached prefix).
+
+Load as the router sees it: the requests and prompt tokens it has in flight per backend, and
+how long the oldest has been waiting for its answer. A backend that refuses connections is
+marked down for `retry_after` seconds, the request goes to the next choice, and `precise`
+forgets the backend's pages; when every backend is down the client gets a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from radixserve.model.tokenizer import TextTokenizer
+from radixserve.sched.routing import Precise, ReplicaLoad, RouteRequest, make_routing_policy
+from radixserve.server.errors import error_response
+
+log = logging.getLogger(__name__)
+
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
+
+
+@dataclass
+class _Backend:
+    url: str
+    in_flight: dict[int, tuple[float, int]] = field(default_factory=dict)  # id -> (t0, tokens)
+    down_until: float = 0.0
+    routed: int = 0
+
+    def load(self, now: float) -> ReplicaLoad:
+        tokens = sum(t for _, t in self.in_flight.values())
+        oldest = min((t0 for t0, _ in self.in_flight.values()), default=now)
+        return ReplicaLoad(len(self.in_flight), tokens, 0, now - oldest)
+
+
+class Router:
+    """The routing state shared by the HTTP handlers and the event threads."""
+
+    def __init__(
+        self,
+        backends: Sequence[str],
+        policy: str,
+        tokenizer: TextTokenizer,
+        page_size: int = 1,
+        retry_after: float = 5.0,
+    ) -> None:
+        self.backends = [_Backend(url.rstrip("/")) for url in backends]
+        self.policy = make_routing_policy(policy, len(self.backends), page_size=page_size)
+        self.tokenizer = tokenizer
+        self.retry_after = retry_after
+        self.lock = threading.Lock()
+        self._ids = 0
+
+    def prompt_ids(self, path: str, body: dict) -> list[int]:
+        """The token ids the backend will see for `body` (empty when unknown)."""
+        try:
+            if path == "/v1/chat/completions":
+                if body.get("tools"):
+                    return []
+                messages = [
+                    {"role": m.get("role"), "content": _text(m.get("content"))}
+                    for m in body.get("messages") or []
+                ]
+                text = self.tokenizer.apply_chat_template(messages)
+                return self.tokenizer.encode(text, add_special_tokens=False)
+            prompt = body.get("input_ids") if path == "/generate" else body.get("prompt")
+            if path == "/generate" and prompt is None:
+                prompt = body.get("text")
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt)
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+        except (ValueError, TypeError, AttributeError):
+            pass
+        return []
+
+    def order(self, ids: list[int], session: str | None) -> list[int]:
+        """Backends to try, the policy's choice first, then the rest by load; down ones last."""
+        now = time.monotonic()
+        with self.lock:
+            loads = [b.load(now) for b in self.backends]
+            first = self.policy.choose(RouteRequest(ids, session=session), loads)
+        rest = sorted(
+            (i for i in range(len(self.backends)) if i != first),
+            key=lambda i: (loads[i].queued_requests, i),
+        )
+        up = [i for i in [first, *rest] if self.backends[i].down_until <= now]
+        return up + [i for i in [first, *rest] if i not in up]
+
+    def start(self, k: int, tokens: int) -> int:
+        with self.lock:
+            self._ids += 1
+            self.backends[k].in_flight[self._ids] = (time.monotonic(), tokens)
+            self.backends[k].routed += 1
+            return self._ids
+
+    def end(self, k: int, request_id: int) -> None:
+        with self.lock:
+            self.backends[k].in_flight.pop(request_id, None)
+
+    def mark_down(self, k: int) -> None:
+        with self.lock:
+            self.backends[k].down_until = time.monotonic() + self.retry_after
+            if isinstance(self.policy, Precise):
+                self.policy.forget(k)
+
+    def on_events(self, k: int, events) -> None:
+        with self.lock:
+            self.policy.on_events(k, events)
+
+
+def _text(content) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def create_router_app(
+    backends: Sequence[str],
+    policy: str,
+    tokenizer: TextTokenizer,
+    kv_event_endpoints: Sequence[str] | None = None,
+    page_size: int = 1,
+    timeout: float = 600.0,
+) -> FastAPI:
+    """A FastAPI app routing the serving API over `backends` (their base URLs)."""
+    router = Router(backends, policy, tokenizer, page_size)
+    if kv_event_endpoints and len(kv_event_endpoints) != len(backends):
+        raise ValueError("give one KV events endpoint per backend")
+    client = httpx.AsyncClient(timeout=timeout)
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=_follow_events, args=(router, k, ep, stop), daemon=True)
+        for k, ep in enumerate(kv_event_endpoints or [])
+    ]
+
+    async def lifespan(app: FastAPI):
+        for thread in threads:
+            thread.start()
+        yield
+        stop.set()
+        await client.aclose()
+
+    app = FastAPI(title="radixserve router", lifespan=lifespan)
+    app.state.router = router
+
+    async def forward(path: str, request: Request):
+        raw = await request.body()
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return error_response(400, "the body must be a JSON object")
+        ids = await asyncio.to_thread(router.prompt_ids, path, body)
+        session = request.headers.get("x-session-id") or body.get("user")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization",)}
+        headers["content-type"] = "application/json"
+        for k in router.order(ids, session if isinstance(session, str) else None):
+            backend = router.backends[k]
+            rid = router.start(k, len(ids))
+            try:
+                upstream = await client.send(
+                    client.build_request("POST", backend.url + path, content=raw, headers=headers),
+                    stream=True,
+                )
+            except httpx.TransportError as exc:
+                router.end(k, rid)
+                router.mark_down(k)
+                log.warning("backend %s failed (%s); trying the next", backend.url, exc)
+                continue
+            return _relay(upstream, lambda k=k, rid=rid: router.end(k, rid))
+        return error_response(503, "no backend is reachable", code="no_backend")
+
+    for path in _ROUTES:
+        app.add_api_route(path, _bind(forward, path), methods=["POST"])
+
+    @app.get("/health")
+    async def health():
+        now = time.monotonic()
+        up = [b.url for b in router.backends if b.down_until <= now]
+        status = 200 if up else 503
+        return JSONResponse({"backends_up": up, "policy": policy}, status)
+
+    @app.get("/router/stats")
+    async def stats():
+        return {
+            "policy": policy,
+            "backends": [
+                {"url": b.url, "routed": b.routed, "in_flight": len(b.in_flight)}
+                for b in router.backends
+            ],
+        }
+
+    return app
+
+
+def _bind(forward, path: str):
+    async def route(request: Request):
+        return await forward(path, request)
+
+    return route
+
+
+def _relay(upstream: httpx.Response, done) -> Response:
+    """The backend's answer as it comes, status and content type kept."""
+
+    async def body():
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+            done()
+
+    media = upstream.headers.get("content-type", "application/json")
+    keep = {k: v for k, v in upstream.headers.items() if k.lower() == "x-request-id"}
+    return StreamingResponse(
+        body(), status_code=upstream.status_code, media_type=media, headers=keep
+    )
+
+
+def _follow_events(router: Router, k: int, endpoint: str, stop: threading.Event) -> None:
+    """Feed backend k's published KV events to the policy until `stop`."""
+    import zmq
+
+    from radixserve.server.kv_events import decode_batch, from_wire
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    try:
+        while not stop.is_set():
+            if not sub.poll(100):
+                continue
+            frames = sub.recv_multipart()
+            try:
+                batch = decode_batch(frames[-1])
+            except Exception:  # a malformed batch must not end the subscription
+                log.warning("backend %d: undecodable KV event batch", k)
+                continue
+            router.on_events(k, [from_wire(e) for e in batch.events])
+    finally:
+        sub.close(linger=0)

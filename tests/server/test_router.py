@@ -1,0 +1,116 @@
+"""The HTTP router over two live backends: `precise` sends a shared prefix where its KV is,
+streams pass through, and a backend that goes away is routed around."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import LiveServer
+
+from radixserve.engine import Engine
+from radixserve.model.loader import load_tokenizer
+
+pytest.importorskip("zmq", reason="the precise router follows KV events (events extra)")
+
+from radixserve.router.app import create_router_app
+
+
+def _endpoint() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+class _Serve:
+    """A router app on loopback in a thread."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture()
+def cluster(tiny_model_dir):
+    endpoints = [_endpoint(), _endpoint()]
+    backends = [
+        LiveServer(Engine(str(tiny_model_dir), enable_kv_events=True), kv_events_endpoint=ep)
+        for ep in endpoints
+    ]
+    app = create_router_app(
+        [b.url for b in backends], "precise", load_tokenizer(tiny_model_dir), endpoints
+    )
+    router = _Serve(app)
+    time.sleep(0.5)  # the event subscriptions connect
+    yield router, backends, app
+    router.stop()
+    for b in backends:
+        b.stop()
+
+
+SHARED = " ".join(f"t{i % 90 + 3}" for i in range(120))
+
+
+def test_precise_sends_a_shared_prefix_where_its_kv_is(cluster):
+    router, backends, _ = cluster
+    first = httpx.post(
+        f"{router.url}/v1/completions",
+        json={"prompt": SHARED + " t1", "max_tokens": 2, "temperature": 0},
+        timeout=60,
+    )
+    assert first.status_code == 200
+    time.sleep(0.5)  # the backend's events reach the router
+    home = [b["routed"] for b in httpx.get(f"{router.url}/router/stats").json()["backends"]]
+    for k in range(6):
+        body = {"prompt": f"{SHARED} t{k + 4} t{k + 5}", "max_tokens": 2, "temperature": 0}
+        reply = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 120
+    routed = [b["routed"] for b in httpx.get(f"{router.url}/router/stats").json()["backends"]]
+    assert routed[home.index(1)] == 7 and sum(routed) == 7
+    for b in backends:
+        b.idle_check()
+
+
+def test_streams_pass_through_and_a_dead_backend_is_routed_around(cluster):
+    router, backends, _ = cluster
+    body = {
+        "messages": [{"role": "user", "content": "t5 t6 t7"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+    }
+    streamed = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=60)
+    assert streamed.status_code == 200
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    backends[0].stop()
+    for _ in range(4):
+        plain = httpx.post(
+            f"{router.url}/generate",
+            json={"text": "t9 t8 t7", "sampling_params": {"max_new_tokens": 3}},
+            timeout=60,
+        )
+        assert plain.status_code == 200 and plain.json()["meta_info"]["completion_tokens"] == 3
+    assert httpx.get(f"{router.url}/health").json()["backends_up"] == [backends[1].url]
+    backends[1].stop()
+    gone = httpx.post(f"{router.url}/generate", json={"text": "t1"}, timeout=60)
+    assert gone.status_code == 503 and gone.json()["error"]["code"] == "no_backend"
