@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from radixserve.cache import RadixCache, TokenToKVPoolAllocator
+from radixserve.cache.events import AllBlocksCleared
 from radixserve.errors import InvalidArgumentError
 from radixserve.sched.routing import (
     ROUTING_POLICIES,
@@ -73,7 +74,21 @@ def test_precise_routes_by_what_the_trees_hold():
     assert policy.cached_tokens(request)[1] < 200
     trees[1].reset()
     policy.on_events(1, trees[1].take_events())
-    assert policy.cached_tokens(request) == [0, 0]
+    assert policy.cached_tokens(request)[1] == 0
+
+
+def test_precise_keeps_a_burst_together_before_any_event_confirms_it():
+    """Events come only after a prefill; until then the routed pages count as expected."""
+    policy = make_routing_policy("precise", 2)
+    shared = np.arange(500, 900, dtype=np.int32)
+    burst = [RouteRequest(np.append(shared, np.int32(k))) for k in range(4)]
+    first = policy.choose(burst[0], [IDLE, IDLE])
+    for request in burst[1:]:
+        loads = [IDLE, IDLE]
+        loads[first] = ReplicaLoad(1, 401, 1)  # the first is queued there
+        assert policy.choose(request, loads) == first
+    policy.on_events(first, [AllBlocksCleared()])  # what was expected is gone
+    assert policy.cached_tokens(burst[0]) == [0, 0]
 
 
 def test_precise_forgets_a_replica():

@@ -13,10 +13,14 @@ a `RouteRequest`, and returns a replica index:
   if it covers more than `cache_threshold` of the prompt, else the replica with the smallest
   tree (the most room).
 - `precise`: a global page index fed by the replicas' KV events (`BlockStored`,
-  `BlockRemoved`, `AllBlocksCleared`), so it knows what each replica holds rather than guess.
+  `BlockRemoved`, `AllBlocksCleared`), so it knows what each replica holds rather than guess;
+  pages of requests it routed that no event has confirmed yet count as expected there, so a
+  burst sharing a prefix is not split while the first of it is still being prefilled.
   Cost of replica r = `prefill_weight` x the prompt tokens r would compute + r's load (queued
   prompt tokens + `decode_weight` x running requests) + `age_weight` x how long r's oldest
-  queued request has waited. The age term steers new work away from a replica whose queue
+  queued request has waited. `prefill_weight` is 2: a token computed for lack of a cached copy
+  is waited on by this request and is also work added to the cluster, while a queued token is
+  only waited on. The age term steers new work away from a replica whose queue
   is starving, so a request cannot be pushed back forever by traffic that keeps hitting the
   same cache.
 
@@ -189,17 +193,33 @@ class Precise(RoutingPolicy):
     def __init__(
         self,
         replicas: int,
-        prefill_weight: float = 1.0,
+        prefill_weight: float = 2.0,
         decode_weight: float = 16.0,
         age_weight: float = 1000.0,
+        expected_pages: int = 65_536,
         **options,
     ) -> None:
         super().__init__(replicas, **options)
         self.prefill_weight = prefill_weight
         self.decode_weight = decode_weight
         self.age_weight = age_weight
+        self.expected_pages = expected_pages
         self._index: dict[bytes, set[int]] = {}
         self._held: list[set[bytes]] = [set() for _ in range(replicas)]
+        # Pages of requests routed to a replica whose events have not confirmed them yet: a
+        # burst of one prefix must not be split before the first of it is prefilled.
+        self._expected: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(replicas)]
+        self._hashes: list[bytes] = []
+
+    def _routed(self, request, replica) -> None:
+        expected = self._expected[replica]
+        hashes, self._hashes = self._hashes or self.page_hashes(request), []
+        for h in hashes:
+            if replica not in self._index.get(h, ()):
+                expected[h] = None
+                expected.move_to_end(h)
+        while len(expected) > self.expected_pages:
+            expected.popitem(last=False)
 
     def on_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
         held = self._held[replica]
@@ -208,12 +228,14 @@ class Precise(RoutingPolicy):
                 for h in event.block_hashes:
                     self._index.setdefault(h, set()).add(replica)
                     held.add(h)
+                    self._expected[replica].pop(h, None)
             elif isinstance(event, BlockRemoved):
                 for h in event.block_hashes:
                     self._drop(h, replica)
             elif isinstance(event, AllBlocksCleared):
                 for h in list(held):
                     self._drop(h, replica)
+                self._expected[replica].clear()
 
     def forget(self, replica: int) -> None:
         """Drop everything `replica` was known to hold (it died or stopped publishing)."""
@@ -227,12 +249,15 @@ class Precise(RoutingPolicy):
             if not owners:
                 del self._index[h]
 
-    def cached_tokens(self, request: RouteRequest) -> list[int]:
-        """Prompt tokens each replica holds as a cached prefix, per the events so far."""
+    def cached_tokens(self, request: RouteRequest, hashes: list[bytes] | None = None) -> list[int]:
+        """Prompt tokens each replica holds as a cached prefix, per the events so far and the
+        requests routed to it since (whose pages it will hold once they are prefilled)."""
         out = [0] * self.replicas
         alive = set(range(self.replicas))
-        for depth, h in enumerate(self.page_hashes(request), start=1):
-            alive &= self._index.get(h, set())
+        hashes = self.page_hashes(request) if hashes is None else hashes
+        for depth, h in enumerate(hashes, start=1):
+            owners = self._index.get(h, set())
+            alive = {r for r in alive if r in owners or h in self._expected[r]}
             if not alive:
                 break
             for r in alive:
@@ -240,7 +265,8 @@ class Precise(RoutingPolicy):
         return out
 
     def _choose(self, request, loads) -> int:
-        cached = self.cached_tokens(request)
+        self._hashes = self.page_hashes(request)
+        cached = self.cached_tokens(request, self._hashes)
         prompt = len(request.input_ids)
 
         def cost(r: int) -> tuple[float, int]:
