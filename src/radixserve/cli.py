@@ -358,8 +358,9 @@ def _sweep(args: argparse.Namespace, cells: list[dict], trace, unique: int):
         _sweep_cell,
         jobs=args.jobs,
         journal=journal,
-        initializer=_sweep_setup if args.jobs > 1 else None,
+        initializer=_sweep_setup if args.jobs > 1 or args.ray else None,
         initargs=(cells[0]["trace"], args.page_size, args.cache_only),
+        ray_address=args.ray,
     )
     kind = CacheOnlyResult if args.cache_only else ReplayResult
     return [kind(**d) for d in dicts]
@@ -624,6 +625,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument(
         "--jobs", type=int, default=1, help="run the grid's cells in this many processes"
+    )
+    rp.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run the grid's cells as Ray tasks on the cluster at ADDRESS (`local` starts one "
+        "in this process); needs ray",
     )
     rp.add_argument(
         "--replicas",

@@ -57,3 +57,27 @@ def test_parallel_cells_match_serial_ones_and_the_cli_resumes(tmp_path, capsys):
     assert len(journal.read_text().splitlines()) == 8
     cells = [json.loads(line)["cell"] for line in journal.read_text().splitlines()]
     assert all(c["trace"]["trace"] == "workload:shared-prefix" for c in cells)
+
+
+def test_the_grid_runs_as_ray_tasks_on_a_local_cluster(tmp_path, capsys):
+    """`--ray local` starts a Ray cluster in this process, runs the cells as tasks, journals
+    them and stops it; the table equals the serial one."""
+    pytest.importorskip("ray", reason="--ray needs the ray extra")
+    argv = [
+        "replay", "workload:shared-prefix", "--workload-args",
+        "num_groups=4,prompts_per_group=4,system_len=32", "--eviction", "lru,lfu",
+        "--cache", "5%,20%", "--arrivals", "burst",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    serial = capsys.readouterr().out
+    assert main([*argv, "--ray", "local", "--out", str(tmp_path)]) == 0
+    on_ray = capsys.readouterr().out
+
+    def rows(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("| l")]
+
+    def hit_rates(text: str) -> list[str]:
+        return [line.split("|")[5] for line in rows(text)]
+
+    assert len(rows(serial)) == 4 and hit_rates(on_ray) == hit_rates(serial)
+    assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 4

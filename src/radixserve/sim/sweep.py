@@ -49,11 +49,14 @@ def run_grid(
     initializer: Callable[..., None] | None = None,
     initargs: tuple = (),
     on_result: Callable[[dict, dict], None] | None = None,
+    ray_address: str | None = None,
 ) -> list[dict]:
     """`run(cell)` for every cell not already in `journal`; the results, in `cells` order.
 
     With `jobs` > 1 the cells run in that many processes, each set up once by
-    `initializer(*initargs)`; `run` and the cells must then be picklable. `on_result(cell,
+    `initializer(*initargs)`; `run` and the cells must then be picklable. With `ray_address`
+    (a Ray cluster's address, or `local` for a cluster started in this process) they run as
+    Ray tasks instead, each worker process set up once the same way. `on_result(cell,
     result)` is called in this process as each new result arrives.
     """
     if not isinstance(jobs, int) or jobs < 1:
@@ -81,7 +84,10 @@ def run_grid(
             on_result(cell, result)
 
     try:
-        if jobs == 1 or len(todo) <= 1:
+        if ray_address is not None and todo:
+            for cell, result in _run_on_ray(ray_address, todo, run, initializer, initargs):
+                record(cell, result)
+        elif jobs == 1 or len(todo) <= 1:
             if todo and initializer is not None:
                 initializer(*initargs)
             for cell in todo:
@@ -95,3 +101,37 @@ def run_grid(
         if handle is not None:
             handle.close()
     return [done[cell_key(cell)] for cell in cells]
+
+
+_SET_UP: set = set()  # in a Ray worker process: the (initializer, initargs) already run
+
+
+def _ray_task(run, initializer, initargs, cell: dict) -> dict:
+    key = (initializer, json.dumps(initargs, sort_keys=True, default=str))
+    if initializer is not None and key not in _SET_UP:
+        initializer(*initargs)
+        _SET_UP.add(key)
+    return run(cell)
+
+
+def _run_on_ray(address: str, cells, run, initializer, initargs):
+    """(cell, result) pairs as Ray tasks finish, on the cluster at `address`."""
+    try:
+        import ray
+    except ImportError:
+        raise InvalidArgumentError(
+            "--ray needs Ray: pip install 'ray[serve]' (or radixserve[ray])"
+        ) from None
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=None if address == "local" else address, log_to_driver=False)
+    try:
+        task = ray.remote(_ray_task)
+        pending = {task.remote(run, initializer, initargs, cell): cell for cell in cells}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                yield pending.pop(ref), ray.get(ref)
+    finally:
+        if started:
+            ray.shutdown()
