@@ -411,6 +411,10 @@ def cmd_study(args: argparse.Namespace) -> int:
             "%s %s %g%%: %.1f%%", row.workload, row.policy, row.size_percent, 100 * row.hit_rate
         )
 
+    journal = Path(args.out) / "cells.jsonl"
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    if not args.resume:  # a journal from older code would hand back stale cells
+        journal.unlink(missing_ok=True)
     rows = run_study(
         policies=_split(args.eviction),
         sizes=sizes,
@@ -418,6 +422,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         seed=args.seed,
         jobs=args.jobs,
         progress=progress,
+        journal=journal,
         **kwargs,
     )
     md = write_report(args.out, rows, markdown=args.markdown, policy=args.policy, scale=args.scale)
@@ -656,7 +661,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay every study workload at every cache size under every policy, and "
         "write the markdown report, one PNG per workload and study.json.",
     )
-    st.add_argument("--out", default="docs/eviction", help="directory for PNGs and study.json")
+    st.add_argument(
+        "--out",
+        default="docs/eviction",
+        help="directory for PNGs, study.json and cells.jsonl, the journal of finished cells",
+    )
+    st.add_argument(
+        "--resume",
+        action="store_true",
+        help="read back the cells already in OUT/cells.jsonl instead of simulating them again "
+        "(only when the code has not changed since)",
+    )
     st.add_argument("--markdown", default=None, help="report file (default: OUT.md)")
     st.add_argument("--eviction", default="lru,lfu,slru,wgd,adaptive,belady")
     st.add_argument("--policy", default="adaptive", help="the policy the summary judges")

@@ -124,6 +124,18 @@ def test_study_cli_writes_the_report(tmp_path, capsys):
     assert code == 0
     assert "mean gap closed by adaptive" in capsys.readouterr().out
     assert (tmp_path / "docs" / "eviction.md").is_file() and (out / "few-shot.png").is_file()
+    journal = out / "cells.jsonl"
+    assert len(journal.read_text().splitlines()) == 4
+    kept = json.loads(journal.read_text().splitlines()[0])
+    kept["result"]["hit_rate"] = 0.123456  # a mark only a resumed run can carry over
+    journal.write_text(json.dumps(kept) + "\n")
+    argv = ["study", "--out", str(out), "--scale", "0.01", "--cache", "2", "--workloads",
+            "few-shot", "--eviction", "lru,lfu,adaptive,belady"]  # fmt: skip
+    assert main([*argv, "--resume"]) == 0
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[0])["result"]["hit_rate"] == 0.123456
+    assert main(argv) == 0  # without --resume the journal starts afresh
+    assert "0.123456" not in journal.read_text()
 
 
 def test_bad_study_arguments_are_refused():
@@ -161,3 +173,23 @@ def test_mooncake_conversation_round_trips_and_shares_like_chat(tmp_path):
     with pytest.raises(InvalidArgumentError):
         mooncake_conversation(turn_blocks=(3, 1))
     assert np.all(np.diff([r.arrival for r in trace]) >= 0)
+
+
+def test_an_interrupted_study_resumes_from_its_journal(rows, tmp_path):
+    """Cells already in the journal are read back, not simulated again, and rows agree."""
+    journal = tmp_path / "cells.jsonl"
+    simulated = []
+    first = run_study(
+        WORKLOADS[:1], POLICIES, SIZES, scale=SCALE, journal=journal, progress=simulated.append
+    )
+    assert len(simulated) == len(first) == len(POLICIES) * len(SIZES)
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join(lines[:3]) + "\n")  # as if killed after three cells
+    simulated.clear()
+    again = run_study(
+        WORKLOADS[:1], POLICIES, SIZES, scale=SCALE, journal=journal, progress=simulated.append
+    )
+    assert len(simulated) == len(first) - 3
+    strip = lambda r: {**r.__dict__, "wall_seconds": 0}  # noqa: E731
+    assert [strip(r) for r in again] == [strip(r) for r in first]
+    assert [strip(r) for r in again] == [strip(r) for r in rows[: len(first)]]

@@ -26,7 +26,6 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -35,6 +34,7 @@ from radixserve.errors import InvalidArgumentError
 from radixserve.sim.cacheonly import simulate_cache
 from radixserve.sim.oracle import infinite_cache
 from radixserve.sim.report import plot_hit_rate_lines
+from radixserve.sim.sweep import run_grid
 from radixserve.sim.traces import TraceRequest, read_mooncake, write_mooncake
 from radixserve.sim.workloads import MOONCAKE_WORKLOADS, make_workload
 
@@ -177,27 +177,32 @@ def run_study(
     seed: int = 0,
     jobs: int = 1,
     progress: Callable[[StudyRow], None] | None = None,
+    journal: str | Path | None = None,
 ) -> list[StudyRow]:
-    """Simulate every (workload, policy, size); rows come back in that order."""
+    """Simulate every (workload, policy, size); rows come back in that order.
+
+    With `journal` (a JSONL file) each finished cell is appended as it ends, and a study run
+    again with the same journal reads finished cells back instead of simulating them.
+    `progress` is called for each cell simulated now.
+    """
     for name in workloads:
         _scaled(name, scale)
-    if not isinstance(jobs, int) or jobs < 1:
-        raise InvalidArgumentError(f"jobs must be an integer >= 1, got {jobs!r}")
-    cells = [(w, p, float(s), scale, seed) for w in workloads for p in policies for s in sizes]
-    rows: list[StudyRow] = []
-    if jobs == 1:
-        for cell in cells:
-            rows.append(run_cell(*cell))
-            if progress:
-                progress(rows[-1])
-        return rows
-    # Cells of one workload stay together, so each worker builds a trace once.
-    with ProcessPoolExecutor(jobs) as pool:
-        for row in pool.map(run_cell, *zip(*cells, strict=True), chunksize=max(1, len(policies))):
-            rows.append(row)
-            if progress:
-                progress(row)
-    return rows
+    cells = [
+        {"workload": w, "policy": p, "size": float(s), "scale": scale, "seed": seed}
+        for w in workloads
+        for p in policies
+        for s in sizes
+    ]
+    on_result = None
+    if progress is not None:
+        on_result = lambda cell, result: progress(StudyRow(**result))  # noqa: E731
+    results = run_grid(cells, _study_cell, jobs=jobs, journal=journal, on_result=on_result)
+    return [StudyRow(**r) for r in results]
+
+
+def _study_cell(cell: dict) -> dict:
+    row = run_cell(cell["workload"], cell["policy"], cell["size"], cell["scale"], cell["seed"])
+    return asdict(row)
 
 
 @dataclass(frozen=True)
