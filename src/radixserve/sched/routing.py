@@ -179,12 +179,7 @@ class CacheAware(RoutingPolicy):
     def _routed(self, request, replica) -> None:
         hashes = self._hashes if self._hashes else self.page_hashes(request)
         self._hashes = []
-        tree = self._trees[replica]
-        for h in hashes:
-            tree[h] = None
-            tree.move_to_end(h)
-        while len(tree) > self.max_tree_pages:
-            tree.popitem(last=False)
+        _remember(self._trees[replica], hashes, self.max_tree_pages)
 
 
 class Precise(RoutingPolicy):
@@ -212,14 +207,9 @@ class Precise(RoutingPolicy):
         self._hashes: list[bytes] = []
 
     def _routed(self, request, replica) -> None:
-        expected = self._expected[replica]
         hashes, self._hashes = self._hashes or self.page_hashes(request), []
-        for h in hashes:
-            if replica not in self._index.get(h, ()):
-                expected[h] = None
-                expected.move_to_end(h)
-        while len(expected) > self.expected_pages:
-            expected.popitem(last=False)
+        unconfirmed = [h for h in hashes if replica not in self._index.get(h, ())]
+        _remember(self._expected[replica], unconfirmed, self.expected_pages)
 
     def on_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
         held = self._held[replica]
@@ -280,6 +270,15 @@ class Precise(RoutingPolicy):
             return score, r
 
         return min(range(self.replicas), key=cost)
+
+
+def _remember(pages: OrderedDict[bytes, None], hashes: Sequence[bytes], cap: int) -> None:
+    """Add `hashes` as the newest of `pages`, keeping at most `cap` (oldest out)."""
+    for h in hashes:
+        pages[h] = None
+        pages.move_to_end(h)
+    while len(pages) > cap:
+        pages.popitem(last=False)
 
 
 def _prefix_in(hashes: Sequence[bytes], held) -> int:

@@ -23,16 +23,21 @@ from dataclasses import asdict, dataclass
 from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.errors import InvalidArgumentError
-from radixserve.sched.request import Req, SamplingParams
 from radixserve.sched.routing import ReplicaLoad, RouteRequest, make_routing_policy
-from radixserve.sched.scheduler import Scheduler, SchedulerConfig
+from radixserve.sched.scheduler import Scheduler
 from radixserve.sim.oracle import unique_tokens
 from radixserve.sim.replay import (
+    Outcomes,
     ReplayConfig,
+    arrival_times,
+    dependency_queue,
     parse_arrivals,
     percentile,
     pool_size,
+    scheduler_config,
     scripted_tokens,
+    trace_index,
+    trace_req,
 )
 from radixserve.sim.traces import TraceRequest
 
@@ -79,16 +84,7 @@ class _Replica:
             enable_kv_events=events,
             clock=self.clock,
         )
-        self.scheduler = Scheduler(
-            self.cache,
-            SchedulerConfig(
-                schedule_policy=config.schedule_policy,
-                max_running_requests=config.max_running_requests,
-                chunked_prefill_size=config.chunked_prefill_size,
-                **config.scheduler_options,
-            ),
-            clock=self.clock,
-        )
+        self.scheduler = Scheduler(self.cache, scheduler_config(config), clock=self.clock)
 
     def clock(self) -> float:
         return self.now
@@ -130,25 +126,11 @@ def replay_cluster(
     )
     events = router == "precise"
     nodes = [_Replica(config, kv_tokens, events) for _ in range(replicas)]
-    index = {r.rid: i for i, r in enumerate(trace)}
-    if len(index) != len(trace):
-        raise InvalidArgumentError("trace request ids must be unique")
-    arrivals = [
-        0.0 if kind == "burst" else r.arrival / value if kind == "scaled" else r.arrival
-        for r in trace
-    ]
-    ready: list[tuple[float, int]] = []
-    blocked: dict[str, list[int]] = {}
-    for i, r in enumerate(trace):
-        if r.after is None:
-            ready.append((arrivals[i], i))
-        elif r.after not in index or r.after == r.rid:
-            raise InvalidArgumentError(f"request {r.rid}: after={r.after!r} names no other request")
-        else:
-            blocked.setdefault(r.after, []).append(i)
-    heapq.heapify(ready)
-    ttft, e2e = [], []
-    failed = output_tokens = done = 0
+    index = trace_index(trace)
+    arrivals = arrival_times(trace, kind, value)
+    ready, blocked = dependency_queue(trace, arrivals, index)
+    outcomes = Outcomes()
+    done = 0
     started = time.perf_counter()
     n = len(trace)
     while done < n:
@@ -163,15 +145,7 @@ def replay_cluster(
             node.routed += 1
             if not node.scheduler.has_work():
                 node.now = max(node.now, at)
-            node.scheduler.add_request(
-                Req(
-                    r.rid,
-                    r.input_ids,
-                    SamplingParams(max_new_tokens=r.output_len, ignore_eos=True),
-                    priority=r.priority,
-                    arrival_time=at,
-                )
-            )
+            node.scheduler.add_request(trace_req(r, at))
         elif busy:
             k = min(busy, key=lambda j: nodes[j].now)
             node = nodes[k]
@@ -192,13 +166,7 @@ def replay_cluster(
                 done += 1
                 for child in blocked.pop(req.rid, ()):
                     heapq.heappush(ready, (max(arrivals[child], node.now), child))
-                if req.finish_reason.kind == "abort":
-                    failed += 1
-                    continue
-                output_tokens += len(req.output_ids)
-                e2e.append(req.finish_time - req.arrival_time)
-                if req.first_token_time is not None:
-                    ttft.append(req.first_token_time - req.arrival_time)
+                outcomes.record(req)
         else:
             raise InvalidArgumentError(
                 f"{n - done} requests wait on an `after` that never finishes (a cycle?)"
@@ -213,17 +181,17 @@ def replay_cluster(
         replicas=replicas,
         kv_tokens_per_replica=kv_tokens,
         requests=n,
-        failed=failed,
+        failed=outcomes.failed,
         token_hit_rate=cached / max(1, prompt),
         prompt_tokens=prompt,
         cached_prompt_tokens=cached,
-        output_tokens=output_tokens,
+        output_tokens=outcomes.output_tokens,
         makespan=makespan,
-        throughput_tokens_per_s=output_tokens / makespan if makespan > 0 else math.nan,
-        ttft_p50=percentile(ttft, 50),
-        ttft_p99=percentile(ttft, 99),
-        e2e_p50=percentile(e2e, 50),
-        e2e_p99=percentile(e2e, 99),
+        throughput_tokens_per_s=outcomes.output_tokens / makespan if makespan > 0 else math.nan,
+        ttft_p50=percentile(outcomes.ttft, 50),
+        ttft_p99=percentile(outcomes.ttft, 99),
+        e2e_p50=percentile(outcomes.e2e, 50),
+        e2e_p99=percentile(outcomes.e2e, 99),
         imbalance=max(busy_times) / mean_busy if mean_busy > 0 else 1.0,
         requests_per_replica=[node.routed for node in nodes],
         wall_seconds=time.perf_counter() - started,

@@ -189,6 +189,81 @@ def make_policy(
     return make_eviction_policy(name)
 
 
+def scheduler_config(config: ReplayConfig) -> SchedulerConfig:
+    """The scheduler settings a replay's `config` names."""
+    return SchedulerConfig(
+        schedule_policy=config.schedule_policy,
+        max_running_requests=config.max_running_requests,
+        chunked_prefill_size=config.chunked_prefill_size,
+        **config.scheduler_options,
+    )
+
+
+def trace_index(trace: Sequence[TraceRequest]) -> dict[str, int]:
+    """Request id -> position in `trace`; raises when ids repeat."""
+    index = {r.rid: i for i, r in enumerate(trace)}
+    if len(index) != len(trace):
+        raise InvalidArgumentError("trace request ids must be unique")
+    return index
+
+
+def arrival_times(trace: Sequence[TraceRequest], kind: str, value: float) -> list[float]:
+    """When each request is sent under arrivals `kind` (`parse_arrivals`); closed-loop
+    requests are all ready at 0 and wait for a free client."""
+    if kind in ("burst", "closed-loop"):
+        return [0.0] * len(trace)
+    return [r.arrival / value if kind == "scaled" else r.arrival for r in trace]
+
+
+def dependency_queue(
+    trace: Sequence[TraceRequest], arrivals: Sequence[float], index: dict[str, int]
+) -> tuple[list[tuple[float, int]], dict[str, list[int]]]:
+    """(heap of (send time, position) ready now, rid -> positions sent once it ends)."""
+    ready: list[tuple[float, int]] = []
+    blocked: dict[str, list[int]] = {}
+    for i, r in enumerate(trace):
+        if r.after is None:
+            ready.append((arrivals[i], i))
+        elif r.after not in index or r.after == r.rid:
+            raise InvalidArgumentError(f"request {r.rid}: after={r.after!r} names no other request")
+        else:
+            blocked.setdefault(r.after, []).append(i)
+    heapq.heapify(ready)
+    return ready, blocked
+
+
+@dataclass
+class Outcomes:
+    """What the finished requests of a replay add up to (times in simulated seconds)."""
+
+    failed: int = 0
+    output_tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)
+
+    def record(self, req: Req) -> None:
+        if req.finish_reason.kind == "abort":
+            self.failed += 1
+            return
+        self.output_tokens += len(req.output_ids)
+        self.e2e.append(req.finish_time - req.arrival_time)
+        if req.first_token_time is not None:
+            self.ttft.append(req.first_token_time - req.arrival_time)
+        self.queue.append(req.first_scheduled_time - req.arrival_time)
+
+
+def trace_req(r: TraceRequest, sent_at: float) -> Req:
+    """The scheduler's request for trace request `r`, sent at `sent_at`."""
+    return Req(
+        r.rid,
+        r.input_ids,
+        SamplingParams(max_new_tokens=r.output_len, ignore_eos=True),
+        priority=r.priority,
+        arrival_time=sent_at,
+    )
+
+
 def replay(
     trace: Sequence[TraceRequest],
     config: ReplayConfig,
@@ -223,36 +298,15 @@ def replay(
     on_admit = None
     if isinstance(policy, BeladyPolicy):
         on_admit = policy.on_admit
-    sched_config = SchedulerConfig(
-        schedule_policy=config.schedule_policy,
-        max_running_requests=config.max_running_requests,
-        chunked_prefill_size=config.chunked_prefill_size,
-        **config.scheduler_options,
-    )
-    scheduler = Scheduler(cache, sched_config, clock=clock, on_admit=on_admit)
-    index = {r.rid: i for i, r in enumerate(trace)}
-    if len(index) != len(trace):
-        raise InvalidArgumentError("trace request ids must be unique")
-
+    scheduler = Scheduler(cache, scheduler_config(config), clock=clock, on_admit=on_admit)
+    index = trace_index(trace)
     kind, value = parse_arrivals(config.arrivals)
-    if kind in ("burst", "closed-loop"):
-        arrivals = [0.0] * len(trace)
-    else:
-        arrivals = [r.arrival / value if kind == "scaled" else r.arrival for r in trace]
+    arrivals = arrival_times(trace, kind, value)
     clients = int(value) if kind == "closed-loop" else None
     in_flight = 0
-    ready: list[tuple[float, int]] = []
-    blocked: dict[str, list[int]] = {}
-    for i, r in enumerate(trace):
-        if r.after is None:
-            ready.append((arrivals[i], i))
-        elif r.after not in index or r.after == r.rid:
-            raise InvalidArgumentError(f"request {r.rid}: after={r.after!r} names no other request")
-        else:
-            blocked.setdefault(r.after, []).append(i)
-    heapq.heapify(ready)
-    ttft, e2e, queue = [], [], []
-    failed = output_tokens = sent = 0
+    ready, blocked = dependency_queue(trace, arrivals, index)
+    outcomes = Outcomes()
+    sent = 0
     wall = 0.0
     n = len(trace)
     bar = tqdm(total=n, desc="replay", unit="req", disable=not progress, leave=False)
@@ -264,16 +318,7 @@ def replay(
             if clients is not None:  # a closed-loop client sends when its last request ends
                 sent_at = now[0]
             in_flight += 1
-            r = trace[i]
-            scheduler.add_request(
-                Req(
-                    r.rid,
-                    r.input_ids,
-                    SamplingParams(max_new_tokens=r.output_len, ignore_eos=True),
-                    priority=r.priority,
-                    arrival_time=sent_at,
-                )
-            )
+            scheduler.add_request(trace_req(trace[i], sent_at))
             sent += 1
         batch = scheduler.step() if scheduler.has_work() else None
         wall += time.perf_counter() - tick
@@ -291,14 +336,7 @@ def replay(
             in_flight -= 1
             for child in blocked.pop(req.rid, ()):
                 heapq.heappush(ready, (max(arrivals[child], now[0]), child))
-            if req.finish_reason.kind == "abort":
-                failed += 1
-                continue
-            output_tokens += len(req.output_ids)
-            e2e.append(req.finish_time - req.arrival_time)
-            if req.first_token_time is not None:
-                ttft.append(req.first_token_time - req.arrival_time)
-            queue.append(req.first_scheduled_time - req.arrival_time)
+            outcomes.record(req)
         if batch is None and not finished:
             if ready and (clients is None or in_flight < clients):
                 now[0] = max(now[0], ready[0][0])
@@ -319,23 +357,23 @@ def replay(
         kv_tokens=kv_tokens,
         cache_fraction=kv_tokens / unique if unique else math.nan,
         requests=n,
-        failed=failed,
+        failed=outcomes.failed,
         token_hit_rate=stats.cached_prompt_tokens / max(1, stats.prompt_tokens),
         prompt_tokens=stats.prompt_tokens,
         cached_prompt_tokens=stats.cached_prompt_tokens,
         prefill_tokens_computed=stats.computed_prefill_tokens,
         prefill_computed_fraction=stats.computed_prefill_tokens / max(1, stats.prompt_tokens),
-        output_tokens=output_tokens,
+        output_tokens=outcomes.output_tokens,
         makespan=makespan,
-        throughput_tokens_per_s=output_tokens / makespan if makespan > 0 else math.nan,
-        requests_per_s=(n - failed) / makespan if makespan > 0 else math.nan,
-        ttft_p50=percentile(ttft, 50),
-        ttft_p90=percentile(ttft, 90),
-        ttft_p99=percentile(ttft, 99),
-        e2e_p50=percentile(e2e, 50),
-        e2e_p90=percentile(e2e, 90),
-        e2e_p99=percentile(e2e, 99),
-        queue_delay_p99=percentile(queue, 99),
+        throughput_tokens_per_s=outcomes.output_tokens / makespan if makespan > 0 else math.nan,
+        requests_per_s=(n - outcomes.failed) / makespan if makespan > 0 else math.nan,
+        ttft_p50=percentile(outcomes.ttft, 50),
+        ttft_p90=percentile(outcomes.ttft, 90),
+        ttft_p99=percentile(outcomes.ttft, 99),
+        e2e_p50=percentile(outcomes.e2e, 50),
+        e2e_p90=percentile(outcomes.e2e, 90),
+        e2e_p99=percentile(outcomes.e2e, 99),
+        queue_delay_p99=percentile(outcomes.queue, 99),
         evicted_tokens=stats.evicted_tokens,
         retractions=stats.retractions,
         offered_load=offered_load(trace, config.cost_model, config.arrivals),
