@@ -27,6 +27,9 @@
     llama-cpp-python from its PyPI sdist with LLAMA_CPP_CMAKE_ARGS (GGML_NATIVE=OFF with
     AVX2/AVX512 named: a native build of 0.3.36 segfaulted on its first eval here).
 
+`--compile` runs decode steps through torch.compile (`EngineConfig.compile`) in parts a-f, and
+adds a compiled radixserve row to part (g) beside the eager one.
+
 `--weight-format` picks the format of parts a, c and d (default auto); part b, the
 transformers comparison, always runs on the float32 weights.
 """
@@ -187,19 +190,24 @@ def part_b(args, make_engine, on_run) -> None:
 
 
 def part_c(args, make_engine) -> dict:
-    engine = make_engine(kv_cache_tokens=8192)
-    rates = {}
-    rng = np.random.default_rng(1)
-    for batch in (1, 8, 32):
-        prompts = [rng.integers(100, 40_000, 16).tolist() for _ in range(batch)]
-        run = timed_run(engine, prompts, {"max_new_tokens": 64, "ignore_eos": True})
-        decoded = run["out_tokens"] - batch  # the first token of each comes from prefill
-        rates[batch] = decoded / run["decode"]
-        print(
-            f"(c) decode, batch {batch:>2}: {rates[batch]:8.1f} tok/s "
-            f"({rates[batch] / batch:.1f} per request)"
-        )
-    return rates
+    """Decode rates by batch size; with --compile, eager and compiled in the same run."""
+    modes = [False, True] if args.compile else [False]
+    rates: dict[bool, dict[int, float]] = {}
+    for compiled in modes:
+        engine = make_engine(kv_cache_tokens=8192, compile=compiled)
+        rates[compiled] = {}
+        rng = np.random.default_rng(1)
+        for batch in (1, 8, 32):
+            prompts = [rng.integers(100, 40_000, 16).tolist() for _ in range(batch)]
+            run = timed_run(engine, prompts, {"max_new_tokens": 64, "ignore_eos": True})
+            decoded = run["out_tokens"] - batch  # the first token of each comes from prefill
+            rates[compiled][batch] = rate = decoded / run["decode"]
+            ratio = f"  {rate / rates[False][batch]:.2f}x eager" if compiled else ""
+            print(
+                f"(c) decode, batch {batch:>2}{' compiled' if compiled else ''}: "
+                f"{rate:8.1f} tok/s ({rate / batch:.1f} per request){ratio}"
+            )
+    return rates[args.compile]
 
 
 def streaming_bandwidth(dev: torch.device) -> float:
@@ -281,6 +289,7 @@ def main() -> None:
     parser.add_argument("--install-llama-cpp", action="store_true", help="build it first")
     parser.add_argument("--peer-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="EngineConfig.compile")
     parser.add_argument("--groups", type=int, default=GROUPS)
     parser.add_argument("--hf-groups", type=int, default=GROUPS)
     args = parser.parse_args()
@@ -293,6 +302,7 @@ def main() -> None:
     def make_engine(**options):
         options.setdefault("weight_format", args.weight_format)
         options.setdefault("dtype", args.dtype)
+        options.setdefault("compile", args.compile)
         return Engine(device=args.device, threads=args.threads, **options)
 
     on_run = part_a(args, make_engine) if "a" in parts else None
@@ -358,7 +368,12 @@ def peer_figures(side: str, threads: int, weight_format: str) -> dict:
             llm.eval([token])
         decode = 128 / (time.perf_counter() - start)
     else:
-        engine = Engine(threads=threads, weight_format=weight_format, kv_cache_tokens=4096)
+        engine = Engine(
+            threads=threads,
+            weight_format=weight_format,
+            kv_cache_tokens=4096,
+            compile=side == "radixserve --compile",
+        )
         engine.generate([prompt[:64]], {"max_new_tokens": 2})
         run = timed_run(engine, [prompt], {"max_new_tokens": 1})
         prefill = 512 / run["prefill"]
@@ -370,8 +385,9 @@ def peer_figures(side: str, threads: int, weight_format: str) -> dict:
 
 
 def part_g(args) -> None:
+    sides = ["radixserve", *(["radixserve --compile"] if args.compile else []), "llama.cpp"]
     rows = {}
-    for side in ("radixserve", "llama.cpp"):
+    for side in sides:
         out = subprocess.run(
             [
                 sys.executable,
@@ -388,16 +404,19 @@ def part_g(args) -> None:
             check=True,
         )
         rows[side] = json.loads(out.stdout.strip().splitlines()[-1])
-    ours, peer = rows["radixserve"], rows["llama.cpp"]
+    peer = rows["llama.cpp"]
     print(f"(g) against llama.cpp {LLAMA_CPP_VERSION} on the same GGUF, {args.threads} threads")
-    for key, name in (("prefill", "prefill 512, tok/s"), ("decode", "decode b1, tok/s")):
+    for side in sides[:-1]:
+        ours = rows[side]
+        for key, name in (("prefill", "prefill 512, tok/s"), ("decode", "decode b1, tok/s")):
+            print(
+                f"    {name:<20} {side:<21} {ours[key]:7.1f}  llama.cpp {peer[key]:7.1f}  "
+                f"ratio {ours[key] / peer[key]:.2f}x"
+            )
         print(
-            f"    {name:<20} radixserve {ours[key]:7.1f}  llama.cpp {peer[key]:7.1f}  "
-            f"ratio {ours[key] / peer[key]:.2f}x"
+            f"    {'RSS, MiB':<20} {side:<21} {ours['rss_mib']:7.0f}  "
+            f"llama.cpp {peer['rss_mib']:7.0f}"
         )
-    print(
-        f"    {'RSS, MiB':<20} radixserve {ours['rss_mib']:7.0f}  llama.cpp {peer['rss_mib']:7.0f}"
-    )
 
 
 def part_f(args, make_engine) -> None:

@@ -511,6 +511,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         weight_format=args.weight_format,
         device=args.device,
         threads=args.threads,
+        compile=args.compile,
     )
     if xgrammar_available():  # build the grammar compiler now, not on the first request
         threading.Thread(target=engine.grammar_backend, daemon=True).start()
@@ -733,6 +734,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--device", default="cpu")
     sv.add_argument("--threads", type=int, default=None)
+    sv.add_argument(
+        "--compile",
+        action="store_true",
+        help="run decode steps through torch.compile (faster small-batch decode; the first "
+        "start compiles for a minute or more, later starts reuse the on-disk cache)",
+    )
     sv.add_argument(
         "--request-timeout",
         type=_positive_seconds,

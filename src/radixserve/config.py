@@ -34,6 +34,7 @@ class EngineConfig:
     seed: int = 0
     max_context: int | None = None
     decode_attention: str = "auto"
+    compile: bool = False
     scheduler_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -27,6 +27,7 @@ from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
 from radixserve.errors import EngineError, InvalidArgumentError
 from radixserve.model.attention import AttentionMetadata, make_attention_backend
+from radixserve.model.compiled import CompiledDecode, warm_up_batch_sizes
 from radixserve.model.grammar import GrammarBackend, GrammarSpec
 from radixserve.model.kv import KVPool
 from radixserve.model.loader import load_model
@@ -137,6 +138,7 @@ class Engine:
             self.device,
         )
         self.attention = make_attention_backend("torch", decode=config.decode_attention)
+        self.compiled_decode = self._compile_decode() if config.compile else None
         self._live: dict[str, _Live] = {}
         self.failed_steps = 0
         self._sampling_started = False
@@ -170,6 +172,22 @@ class Engine:
             sched_config.chunked_prefill_size,
             config.max_running_requests,
         )
+
+    def _compile_decode(self) -> CompiledDecode | None:
+        """The compiled decode path, warmed for every batch-size class; None (eager) when
+        compiling fails, with the reason logged."""
+        compiled = CompiledDecode(self.model, self.kv, self.device)
+        sizes = warm_up_batch_sizes(self.model, self.config.max_running_requests)
+        log.info("compiling the decode step for batch sizes %s", ",".join(map(str, sizes)))
+        try:
+            seconds = compiled.warm_up(sizes)
+        except Exception as exc:  # any compiler failure means: stay eager
+            log.warning("torch.compile failed, decoding eagerly: %s", str(exc).splitlines()[0])
+            return None
+        log.info(
+            "compiled the decode step in %.1f s (later starts reuse the on-disk cache)", seconds
+        )
+        return compiled
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -490,6 +508,11 @@ class Engine:
         sampled = [i for i, e in enumerate(entries) if e.sample]
         sample_rows = [starts[i] + lens[i] - 1 for i in sampled]
         is_decode = batch.mode is ForwardMode.DECODE
+        if is_decode and self.compiled_decode is not None:
+            logits = self._compiled_forward(entries, ids, positions, new_slots)
+            if logits is not None:
+                rows = logits if len(sampled) == len(entries) else logits[sampled]
+                return self._sample(entries, rows, sampled)
         decodes = len(entries) if is_decode else sum(e.is_decode for e in entries)
         extends = len(entries) - decodes  # decode entries of a mixed batch come last
         meta = AttentionMetadata(
@@ -522,6 +545,25 @@ class Engine:
             meta,
             self.attention,
         )
+        return self._sample(entries, logits, sampled)
+
+    def _compiled_forward(self, entries, ids, positions, new_slots) -> torch.Tensor | None:
+        """Logits of a decode batch from the compiled graph; None (run it eagerly) when the
+        graph fails, which also turns the compiled path off for good."""
+        dev = self.device
+        try:
+            return self.compiled_decode(
+                torch.from_numpy(ids).to(dev),
+                torch.from_numpy(positions).to(dev),
+                [e.prefix_slots for e in entries],
+                torch.from_numpy(new_slots).to(dev),
+            )
+        except Exception as exc:  # the eager path can still run this step
+            log.warning("compiled decode failed, decoding eagerly from now on: %s", exc)
+            self.compiled_decode = None
+            return None
+
+    def _sample(self, entries, logits: torch.Tensor, sampled: list[int]) -> list[int]:
         out = [0] * len(entries)
         if not sampled:
             return out

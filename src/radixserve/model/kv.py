@@ -1,4 +1,4 @@
-"""The KV pool: per layer, K and V tensors of shape [num_slots, kv_heads, head_dim].
+"""The KV pool: K and V tensors of shape [num_layers, num_slots, kv_heads, head_dim].
 
 Rows are KV slots handed out by `radixserve.cache` allocators; slot 0 is the padding slot,
 which padded reads may touch and nothing else writes meaningfully.
@@ -19,9 +19,9 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (num_slots, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, num_slots, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.dtype = dtype
 
@@ -30,5 +30,10 @@ class KVPool:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 
+    def write_all_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store every layer's K/V [num_layers, len(slots), kv_heads, head_dim] at `slots`."""
+        self.k.index_copy_(1, slots, k)
+        self.v.index_copy_(1, slots, v)
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return 2 * self.k.numel() * self.k.element_size()

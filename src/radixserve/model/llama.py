@@ -20,7 +20,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from radixserve.errors import InvalidArgumentError
-from radixserve.model.attention import AttentionBackend, AttentionMetadata
+from radixserve.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    single_query_attention,
+)
 from radixserve.model.kv import KVPool
 
 SUPPORTED_ARCHITECTURES = {
@@ -182,6 +186,18 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim] and k, v [T, kv_heads, head_dim] of x, rotated."""
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x).view(tokens, self.heads + 2 * self.kv_heads, self.head_dim)
+        qk, v = qkv[:, : self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads :]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, : self.heads]), self.k_norm(qk[:, self.heads :])], 1)
+        qk = apply_rope(qk, cos, sin)  # q and k heads in one go
+        return qk[:, : self.heads], qk[:, self.heads :], v
+
     def forward(
         self,
         x: torch.Tensor,
@@ -191,16 +207,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        qkv = self.qkv_proj(x).view(tokens, self.heads + 2 * self.kv_heads, self.head_dim)
-        qk, v = qkv[:, : self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads :]
-        if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, : self.heads]), self.k_norm(qk[:, self.heads :])], 1)
-        qk = apply_rope(qk, cos, sin)  # q and k heads in one go
-        q, k = qk[:, : self.heads], qk[:, self.heads :]
+        q, k, v = self.project(x, cos, sin)
         kv.write(self.layer, meta.new_slots, k, v)
         out = backend.forward(q, kv.k[self.layer], kv.v[self.layer], meta)
-        return self.o_proj(out.reshape(tokens, self.heads * self.head_dim))
+        return self.o_proj(out.reshape(x.shape[0], self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -227,6 +237,30 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv, meta, backend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(self, x, cos, sin, k_layer, v_layer, context_slots, context_mask, elementwise=False):
+        """`LlamaForCausalLM.decode_step` for this layer: x out, and the new k and v stacked
+        [2, B, kv_heads, head_dim] (a fresh tensor: a compiled region that returns views of
+        its own buffers hands back memory it reuses)."""
+        attn = self.self_attn
+        q, k, v = attn.project(self.input_layernorm(x), cos, sin)
+        out = single_query_attention(
+            q, k_layer[context_slots], v_layer[context_slots], k, v, context_mask, elementwise
+        )
+        x = x + attn.o_proj(out.reshape(x.shape[0], attn.heads * attn.head_dim))
+        return x + self.mlp(self.post_attention_layernorm(x)), torch.stack([k, v])
+
+    # Every layer runs the same code on its own weights: compiled as one nested region,
+    # inductor generates it once instead of once per layer (minutes of compiling less).
+    @torch.compiler.nested_compile_region
+    def decode_elementwise(self, x, cos, sin, k_layer, v_layer, context_slots, context_mask):
+        """`decode` with attention written for `torch.compile` to fuse."""
+        return self.decode(x, cos, sin, k_layer, v_layer, context_slots, context_mask, True)
+
+    @torch.compiler.nested_compile_region
+    def decode_matmul(self, x, cos, sin, k_layer, v_layer, context_slots, context_mask):
+        """`decode` with attention as batched matmuls, for compiled large batches."""
+        return self.decode(x, cos, sin, k_layer, v_layer, context_slots, context_mask, False)
 
 
 class LlamaBody(nn.Module):
@@ -270,6 +304,40 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv, meta, backend)
         x = self.model.norm(x[meta.sample_indices])
         return self.lm_head(x)
+
+    def decode_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context_slots: torch.Tensor,
+        context_mask: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        elementwise: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode step of B requests that reads the KV pool and writes nothing.
+
+        Request b's new token `input_ids[b]` at `positions[b]` attends over the slots
+        `context_slots[b]` where `context_mask[b]` is set, then over itself. `k_cache` and
+        `v_cache` are `KVPool.k` and `KVPool.v` ([layers, slots, kv_heads, head_dim]). Returns
+        the logits [B, vocab] and the new keys and values [layers, B, kv_heads, head_dim],
+        which the caller stores at the requests' new slots. Free of side effects, so that
+        `torch.compile` can take the whole step as one graph (`radixserve.model.compiled`).
+        `elementwise` picks the attention formulation (`single_query_attention`) inside a
+        compiled region per layer; None runs the layers plainly, with matmuls.
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        new_kv = []
+        for i, layer in enumerate(self.model.layers):
+            decode = {None: layer.decode, True: layer.decode_elementwise}.get(
+                elementwise, layer.decode_matmul
+            )
+            x, kv = decode(x, cos, sin, k_cache[i], v_cache[i], context_slots, context_mask)
+            new_kv.append(kv)
+        logits = self.lm_head(self.model.norm(x))
+        stacked = torch.stack(new_kv)  # [layers, 2, B, kv_heads, head_dim]
+        return logits, stacked[:, 0], stacked[:, 1]
 
 
 FUSED_PROJECTIONS = {

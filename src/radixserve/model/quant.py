@@ -130,13 +130,17 @@ class Int4Linear(_PackedLinear):
         self.register_buffer("packed", packed)
         scales_and_zeros = np.ascontiguousarray(np.stack([groups.scale.T, groups.zero.T], axis=-1))
         self.register_buffer("scales_and_zeros", torch.from_numpy(scales_and_zeros).to(dtype))
+        # The group size as a tensor: the kernel takes it so, and inductor's own lowering of
+        # `_weight_int4pack_mm_for_cpu` makes it a constant that nested compiled regions
+        # never load (torch 2.13).
+        self.register_buffer("group_size", torch.tensor(INT4_GROUP), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         dense = groups.dequantize() if dense_from_rows is not None else None
         self.keep_dense(dense, dtype, dense_from_rows)
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.packed, INT4_GROUP, self.scales_and_zeros
+        return torch.ops.quantized.int4mm_packed_weight_cpu(
+            x, self.packed, self.group_size, self.scales_and_zeros
         )
 
     def nbytes(self) -> int:

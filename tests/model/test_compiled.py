@@ -1,0 +1,138 @@
+"""The pure decode step and its compiled path (`EngineConfig.compile`)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from model_helpers import make_engine
+
+from radixserve.model.compiled import WIDTH_STEP, context_table
+
+GREEDY = {"max_new_tokens": 20, "ignore_eos": True}
+
+
+def prefilled(engine, prompts):
+    """Run each prompt's prefill; returns the requests, each about to decode."""
+    rids = [engine.add_request(p, {"max_new_tokens": 50, "ignore_eos": True}) for p in prompts]
+    while engine.scheduler.waiting or engine.scheduler.prefilling:
+        engine.step()
+    running = {r.rid: r for r in engine.scheduler.running}
+    return [running[rid] for rid in rids]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama-tied-rope3"])
+@pytest.mark.parametrize("elementwise", [None, False, True])
+def test_decode_step_equals_the_forward_it_replaces(checkpoints, arch, elementwise):
+    engine = make_engine(checkpoints[arch], dtype="float64")
+    reqs = prefilled(engine, [[3, 4, 5, 6, 7], [9, 8], list(range(10, 50))])
+    model, kv = engine.model, engine.kv
+    ids = torch.tensor([r.output_ids[-1] for r in reqs])
+    prefixes = [r.kv_indices() for r in reqs]
+    positions = torch.tensor([len(p) for p in prefixes])
+    table, mask = context_table(prefixes)
+    pool_before = kv.k.clone(), kv.v.clone()
+    logits, new_k, new_v = model.decode_step(
+        ids, positions, torch.from_numpy(table), torch.from_numpy(mask), kv.k, kv.v, elementwise
+    )
+    assert torch.equal(kv.k, pool_before[0]) and torch.equal(kv.v, pool_before[1])
+    # The reference: the engine's own eager forward, which writes the pool.
+    new_slots = np.arange(kv.num_slots - len(reqs), kv.num_slots)
+    reference = forward_decode(engine, ids, prefixes, new_slots)
+    torch.testing.assert_close(logits, reference, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(new_k, kv.k[:, new_slots], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(new_v, kv.v[:, new_slots], rtol=1e-9, atol=1e-12)
+
+
+def forward_decode(engine, ids, prefixes, new_slots):
+    from radixserve.model.attention import AttentionMetadata
+
+    width = max(len(p) for p in prefixes) + 1
+    table = np.zeros((len(prefixes), width), dtype=np.int64)
+    for row, (prefix, slot) in enumerate(zip(prefixes, new_slots, strict=True)):
+        table[row, : len(prefix)] = prefix
+        table[row, len(prefix)] = slot
+    meta = AttentionMetadata(
+        is_decode=True,
+        new_slots=torch.from_numpy(new_slots),
+        sample_indices=torch.arange(len(prefixes)),
+        starts=[],
+        new_lens=[],
+        prefix_lens=[],
+        context_slots=[],
+        decode_slots=torch.from_numpy(table),
+        decode_mask=torch.from_numpy(
+            np.arange(width)[None, :] <= np.array([len(p) for p in prefixes])[:, None]
+        ),
+    )
+    positions = torch.tensor([len(p) for p in prefixes])
+    return engine.model(ids, positions, engine.kv, meta, engine.attention)
+
+
+def test_context_table_pads_to_a_width_step():
+    table, mask = context_table([np.array([4, 5, 6]), np.arange(1, 40)])
+    assert table.shape == (2, 2 * WIDTH_STEP)
+    assert table[0, :3].tolist() == [4, 5, 6] and not table[0, 3:].any()
+    assert mask.sum(axis=1).tolist() == [3, 39]
+    assert context_table([np.array([1])])[0].shape == (1, WIDTH_STEP)
+
+
+def staggered(engine) -> list[list[int]]:
+    """One request alone, then three that join it: decode batches of 1, 2, 3 and 4."""
+    rids = [engine.add_request([3, 4, 5, 6], GREEDY)]
+    tokens: dict[str, list[int]] = {rids[0]: []}
+    step = 0
+    while engine.has_work():
+        if step in (4, 6, 9):
+            rid = engine.add_request(list(range(10 + step, 30 + 2 * step)), GREEDY)
+            rids.append(rid)
+            tokens[rid] = []
+        for chunk in engine.step():
+            tokens[chunk.rid] += chunk.token_ids
+        engine.check_invariants()
+        step += 1
+    return [tokens[r] for r in rids]
+
+
+def test_compiled_decode_gives_the_eager_greedy_tokens(llama_dir, caplog):
+    eager = staggered(make_engine(llama_dir, dtype="float64"))
+    with caplog.at_level(logging.INFO, logger="radixserve.engine"):
+        engine = make_engine(llama_dir, dtype="float64", compile=True, max_running_requests=4)
+    assert engine.compiled_decode is not None, caplog.text
+    assert "compiled the decode step" in caplog.text
+    calls = count_calls(engine)
+    assert staggered(engine) == eager
+    assert calls["n"] >= 20  # decode steps went through the graph
+    assert engine.compiled_decode is not None
+
+
+def count_calls(engine) -> dict:
+    calls = {"n": 0}
+    graph = engine.compiled_decode._graph
+
+    def counted(*args):
+        calls["n"] += 1
+        return graph(*args)
+
+    engine.compiled_decode._graph = counted
+    return calls
+
+
+def test_a_failing_graph_falls_back_to_eager_without_losing_the_step(llama_dir, caplog):
+    eager = staggered(make_engine(llama_dir, dtype="float64"))
+    engine = make_engine(llama_dir, dtype="float64")
+    from radixserve.model.compiled import CompiledDecode
+
+    broken = CompiledDecode(engine.model, engine.kv, engine.device)
+
+    def fail(*args):
+        raise RuntimeError("simulated compiler failure")
+
+    broken._graph = fail
+    engine.compiled_decode = broken
+    with caplog.at_level(logging.WARNING, logger="radixserve.engine"):
+        assert staggered(engine) == eager
+    assert engine.compiled_decode is None
+    assert "simulated compiler failure" in caplog.text
