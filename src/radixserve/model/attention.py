@@ -143,36 +143,23 @@ def single_query_attention(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
     mask: torch.Tensor,
-    elementwise: bool = False,
 ) -> torch.Tensor:
     """Attention of one query per row over its gathered context, then its own new key.
 
     q [B, heads, D]; k_context, v_context [B, W, kv_heads, D]; mask [B, W] marks the real
     context entries; k_new, v_new [B, kv_heads, D]. Scores, softmax and the weighted sum run in
-    float32 (float64 stays float64); the output [B, heads, D] is in q's dtype. `elementwise`
-    writes the products as broadcasts and sums, which `torch.compile` fuses with the gather
-    into one loop instead of calling a batched matmul per layer; eager, it allocates
-    B * heads * W * D floats, so eager callers keep the matmuls.
+    float32 (float64 stays float64); the output [B, heads, D] is in q's dtype.
     """
     rows, heads, dim = q.shape
     kv_heads = k_context.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
     qg = q.reshape(rows, kv_heads, heads // kv_heads, dim).to(acc) * (dim**-0.5)
-    keys = k_context.permute(0, 2, 1, 3).to(acc)  # [B, Hkv, W, D]
-    values = v_context.permute(0, 2, 1, 3).to(acc)
-    if elementwise:
-        scores = (qg[:, :, :, None, :] * keys[:, :, None]).sum(-1)  # [B, Hkv, G, W]
-    else:
-        scores = torch.matmul(qg, keys.transpose(-1, -2))
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    keys = k_context.permute(0, 2, 3, 1).to(acc)  # [B, Hkv, D, W]
+    values = v_context.permute(0, 2, 1, 3).to(acc)  # [B, Hkv, W, D]
+    scores = torch.matmul(qg, keys).masked_fill(~mask[:, None, None, :], float("-inf"))
     own = (qg * k_new.to(acc)[:, :, None, :]).sum(-1, keepdim=True)  # [B, Hkv, G, 1]
     probs = torch.softmax(torch.cat([scores, own], dim=-1), dim=-1)
-    context_probs, own_prob = probs[..., :-1], probs[..., -1:]
-    if elementwise:
-        out = (context_probs[..., None] * values[:, :, None]).sum(-2)  # [B, Hkv, G, D]
-    else:
-        out = torch.matmul(context_probs, values)
-    out = out + own_prob * v_new.to(acc)[:, :, None, :]
+    out = torch.matmul(probs[..., :-1], values) + probs[..., -1:] * v_new.to(acc)[:, :, None, :]
     return out.reshape(rows, heads, dim).to(q.dtype)
 
 

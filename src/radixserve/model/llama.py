@@ -238,29 +238,20 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode(self, x, cos, sin, k_layer, v_layer, context_slots, context_mask, elementwise=False):
+    # Every layer runs the same code on its own weights: compiled as one nested region,
+    # inductor generates it once instead of once per layer (minutes of compiling less).
+    @torch.compiler.nested_compile_region
+    def decode(self, x, cos, sin, k_layer, v_layer, context_slots, context_mask):
         """`LlamaForCausalLM.decode_step` for this layer: x out, and the new k and v stacked
         [2, B, kv_heads, head_dim] (a fresh tensor: a compiled region that returns views of
         its own buffers hands back memory it reuses)."""
         attn = self.self_attn
         q, k, v = attn.project(self.input_layernorm(x), cos, sin)
         out = single_query_attention(
-            q, k_layer[context_slots], v_layer[context_slots], k, v, context_mask, elementwise
+            q, k_layer[context_slots], v_layer[context_slots], k, v, context_mask
         )
         x = x + attn.o_proj(out.reshape(x.shape[0], attn.heads * attn.head_dim))
         return x + self.mlp(self.post_attention_layernorm(x)), torch.stack([k, v])
-
-    # Every layer runs the same code on its own weights: compiled as one nested region,
-    # inductor generates it once instead of once per layer (minutes of compiling less).
-    @torch.compiler.nested_compile_region
-    def decode_elementwise(self, x, cos, sin, k_layer, v_layer, context_slots, context_mask):
-        """`decode` with attention written for `torch.compile` to fuse."""
-        return self.decode(x, cos, sin, k_layer, v_layer, context_slots, context_mask, True)
-
-    @torch.compiler.nested_compile_region
-    def decode_matmul(self, x, cos, sin, k_layer, v_layer, context_slots, context_mask):
-        """`decode` with attention as batched matmuls, for compiled large batches."""
-        return self.decode(x, cos, sin, k_layer, v_layer, context_slots, context_mask, False)
 
 
 class LlamaBody(nn.Module):
@@ -313,7 +304,6 @@ class LlamaForCausalLM(nn.Module):
         context_mask: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        elementwise: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decode step of B requests that reads the KV pool and writes nothing.
 
@@ -323,17 +313,12 @@ class LlamaForCausalLM(nn.Module):
         the logits [B, vocab] and the new keys and values [layers, B, kv_heads, head_dim],
         which the caller stores at the requests' new slots. Free of side effects, so that
         `torch.compile` can take the whole step as one graph (`radixserve.model.compiled`).
-        `elementwise` picks the attention formulation (`single_query_attention`) inside a
-        compiled region per layer; None runs the layers plainly, with matmuls.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         new_kv = []
         for i, layer in enumerate(self.model.layers):
-            decode = {None: layer.decode, True: layer.decode_elementwise}.get(
-                elementwise, layer.decode_matmul
-            )
-            x, kv = decode(x, cos, sin, k_cache[i], v_cache[i], context_slots, context_mask)
+            x, kv = layer.decode(x, cos, sin, k_cache[i], v_cache[i], context_slots, context_mask)
             new_kv.append(kv)
         logits = self.lm_head(self.model.norm(x))
         stacked = torch.stack(new_kv)  # [layers, 2, B, kv_heads, head_dim]
