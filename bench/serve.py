@@ -5,11 +5,17 @@ sharing a system prompt, each with its own question) with Poisson arrivals at se
 streaming every answer. For each server and rate it reports request throughput, output
 tokens/s, TTFT and TPOT at p50 and p99, and the cache hit rate read from `/metrics`. With
 `--llama-cpp` it also runs llama-cpp-python's OpenAI server on the same GGUF (installing it
-first with `--install-llama-cpp`).
+first with `--install-llama-cpp`). With `--llama-server` it builds llama.cpp's own
+`llama-server` with cmake from the llama.cpp sources vendored in the llama-cpp-python sdist
+(LLAMA_CPP_VERSION, downloaded from PyPI; cached under ~/.cache/radixserve-bench) and runs it
+with 8 parallel slots and continuous batching (`-np 8 -cb`) on the same GGUF and the same
+token ids; both sides count tokens the same way (`ignore_eos`, equal `max_tokens`).
+`--compile` starts the radixserve servers with `--compile`.
 
     python bench/serve.py                     # rates 0.5, 1, 2 req/s, 32 requests each
     python bench/serve.py --quick             # one rate, 12 requests
     python bench/serve.py --long-prompt       # mixed chunks on and off, a long prompt arriving
+    python bench/serve.py --servers on --llama-server --compile   # against llama-server -np 8
 
 `--long-prompt` streams 8 answers of 120 tokens and sends a 2,048-token prompt one second in,
 against a server with mixed chunks on and one with them off, and reports the streams' time
@@ -23,16 +29,77 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 
 from radixserve.model.loader import default_model_path
+
+LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_SERVER_CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    # No web UI: its assets are not in the sdist and would be fetched from a model hub.
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    # The flags bench/engine.py builds llama-cpp-python with: a native build of 0.3.36
+    # segfaulted on its first eval on this machine.
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_AVX512=ON",
+]
+
+
+def build_llama_server(cache: Path) -> Path:
+    """llama.cpp's `llama-server`, built once from the sources vendored in llama-cpp-python's
+    sdist (downloaded from PyPI) with cmake; returns the binary."""
+    source = cache / f"llama_cpp_python-{LLAMA_CPP_VERSION}" / "vendor" / "llama.cpp"
+    build = cache / "llama-server-build"
+    binary = build / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    cache.mkdir(parents=True, exist_ok=True)
+    if not source.exists():
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        subprocess.run(
+            [*pip, f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(cache)], check=True
+        )
+        with tarfile.open(cache / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz") as sdist:
+            sdist.extractall(cache, filter="data")
+    cmake = shutil.which("cmake")
+    if cmake is None:  # the PyPI cmake package puts one beside this interpreter
+        subprocess.run([sys.executable, "-m", "pip", "install", "cmake"], check=True)
+        cmake = str(Path(sys.executable).parent / "cmake")
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    print(f"  building llama-server from {source} (several minutes)", flush=True)
+    subprocess.run(
+        [cmake, "-S", str(source), "-B", str(build), *generator, *LLAMA_SERVER_CMAKE_FLAGS],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(
+        [cmake, "--build", str(build), "--target", "llama-server", "-j", jobs],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return binary
 
 
 def free_port() -> int:
@@ -232,6 +299,10 @@ def main() -> None:
         action="store_true",
         help="pip install llama-cpp-python[server] first (builds llama.cpp)",
     )
+    parser.add_argument(
+        "--llama-server", action="store_true", help="also bench llama.cpp's llama-server -np 8"
+    )
+    parser.add_argument("--compile", action="store_true", help="radixserve serve --compile")
     parser.add_argument("--long-prompt", action="store_true", help="only the mixed-chunk run")
     parser.add_argument("--chunked-prefill-size", type=int, default=None, help="for the servers")
     args = parser.parse_args()
@@ -259,6 +330,8 @@ def main() -> None:
     ]
     if args.chunked_prefill_size is not None:
         base += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
+    if args.compile:
+        base.append("--compile")
     if args.long_prompt:
         bench_long_prompt(base)
         return
@@ -306,13 +379,37 @@ def main() -> None:
             results += bench_server(
                 "llama-cpp-python", command, port, None, text_prompts, rates, out
             )
+    if args.llama_server:
+        binary = build_llama_server(Path.home() / ".cache" / "radixserve-bench")
+        port = free_port()
+        slots, per_slot = 8, 2048
+        command = [
+            str(binary),
+            "--model",
+            str(default_model_path()),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--threads",
+            str(args.threads),
+            "--threads-batch",
+            str(args.threads),
+            "-np",
+            str(slots),
+            "-cb",
+            "--ctx-size",
+            str(slots * per_slot),
+        ]
+        results += bench_server("llama-server -np 8", command, port, None, prompts, rates, out)
     on = [r for r in results if r["server"] == "radixserve, cache on"]
-    off = [r for r in results if r["server"] == "radixserve, cache off"]
-    for a, b in zip(on, off, strict=True) if on and off else ():
-        print(
-            f"  rate {a['rate']}: cache on / off throughput {a['tok_s'] / b['tok_s']:.2f}x, "
-            f"TTFT p50 {b['ttft50'] / a['ttft50']:.2f}x lower"
-        )
+    for other in ("radixserve, cache off", "llama-server -np 8"):
+        rows = [r for r in results if r["server"] == other]
+        for a, b in zip(on, rows, strict=True) if on and rows else ():
+            print(
+                f"  rate {a['rate']}: cache on against {other}: throughput "
+                f"{a['tok_s'] / b['tok_s']:.2f}x, TTFT p50 {a['ttft50'] / b['ttft50']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -449,7 +449,12 @@ def cmd_router(args: argparse.Namespace) -> int:
     if args.policy == "precise" and not events:
         raise InvalidArgumentError("--policy precise needs --kv-events, one endpoint per backend")
     app = create_router_app(
-        args.backend, args.policy, load_tokenizer(args.model), events, page_size=args.page_size
+        args.backend,
+        args.policy,
+        load_tokenizer(args.model),
+        events,
+        page_size=args.page_size,
+        events_timeout=args.kv_events_timeout,
     )
     print(
         f"radixserve router on http://{args.host}:{args.port} over {len(args.backend)} "
@@ -773,6 +778,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("round_robin", "pow2", "cache_aware", "precise"),
     )
     ro.add_argument("--kv-events", help="comma-separated ZMQ endpoints, one per --backend")
+    ro.add_argument(
+        "--kv-events-timeout",
+        type=_positive_seconds,
+        default=10.0,
+        help="forget a backend's pages when no KV event batch (backends send a heartbeat "
+        "every second) has come for this long (default 10 s)",
+    )
     ro.add_argument("--model", default=None, help="the served model (for its tokenizer)")
     ro.add_argument("--page-size", type=int, default=1, help="the backends' page size")
     ro.add_argument("--host", default="127.0.0.1")

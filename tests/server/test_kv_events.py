@@ -35,15 +35,18 @@ def _subscriber(endpoint: str):
 
 
 def _receive(sub, timeout_ms: int = 2000) -> list[tuple[int, list]]:
-    """(sequence, events) of every batch that arrives until the socket goes quiet."""
+    """(sequence, events) of every batch with events that arrives until only heartbeats
+    (empty batches, at most one a second) or nothing come for a while."""
     out = []
-    while sub.poll(timeout_ms):
+    deadline = time.monotonic() + timeout_ms / 1000
+    while sub.poll(max(1, int(1000 * (deadline - time.monotonic())))):
         topic, seq, payload = sub.recv_multipart()
         assert topic == b""
         ts, events = msgspec.msgpack.decode(payload)[:2]  # a plain decode: the wire layout
         assert isinstance(ts, float)
-        out.append((int.from_bytes(seq, "big"), events))
-        timeout_ms = 300
+        if events:
+            out.append((int.from_bytes(seq, "big"), events))
+            deadline = time.monotonic() + 0.3
     return out
 
 
@@ -118,7 +121,7 @@ def test_a_node_split_publishes_no_removal():
 
 def test_missed_batches_are_replayed_then_the_end_marker():
     endpoint, replay_endpoint = _endpoint(), _endpoint()
-    publisher = KVEventPublisher(endpoint, replay_endpoint)
+    publisher = KVEventPublisher(endpoint, replay_endpoint, heartbeat=600)
     try:
         cache = RadixCache(TokenToKVPoolAllocator(100), enable_kv_events=True)
         for i in range(5):
@@ -140,6 +143,25 @@ def test_missed_batches_are_replayed_then_the_end_marker():
         dealer.close(linger=0)
     finally:
         publisher.close()
+
+
+def test_a_quiet_publisher_sends_numbered_heartbeats():
+    endpoint = _endpoint()
+    sub = _subscriber(endpoint)
+    publisher = KVEventPublisher(endpoint, heartbeat=0.2)
+    try:
+        seqs = []
+        deadline = time.monotonic() + 10
+        while len(seqs) < 3 and time.monotonic() < deadline:
+            if sub.poll(500):
+                _, seq, payload = sub.recv_multipart()
+                ts, events = msgspec.msgpack.decode(payload)
+                assert events == [] and ts > 0
+                seqs.append(int.from_bytes(seq, "big"))
+        assert len(seqs) == 3 and seqs == sorted(seqs) and len(set(seqs)) == 3
+    finally:
+        publisher.close()
+        sub.close(linger=0)
 
 
 def test_a_live_server_publishes_what_its_requests_store(tiny_model_dir):

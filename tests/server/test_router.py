@@ -8,11 +8,13 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from conftest import LiveServer
 
 from radixserve.engine import Engine
 from radixserve.model.loader import load_tokenizer
+from radixserve.sched.routing import RouteRequest
 
 pytest.importorskip("zmq", reason="the precise router follows KV events (events extra)")
 
@@ -114,3 +116,33 @@ def test_streams_pass_through_and_a_dead_backend_is_routed_around(cluster):
     backends[1].stop()
     gone = httpx.post(f"{router.url}/generate", json={"text": "t1"}, timeout=60)
     assert gone.status_code == 503 and gone.json()["error"]["code"] == "no_backend"
+
+
+def test_a_backend_whose_events_stop_has_its_pages_forgotten(caplog):
+    from radixserve.cache import RadixCache, TokenToKVPoolAllocator
+    from radixserve.router.app import Router
+
+    now = [0.0]
+    router = Router(
+        ["http://a", "http://b"], "precise", None, events_timeout=10, clock=lambda: now[0]
+    )
+    cache = RadixCache(TokenToKVPoolAllocator(100), enable_kv_events=True)
+    prompt = list(range(1, 41))
+    cache.insert(np.array(prompt, dtype=np.int32), cache.allocator.alloc(40))
+    router.on_events(0, cache.take_events())
+    held = lambda: router.policy.cached_tokens(RouteRequest(prompt))  # noqa: E731
+    assert held() == [40, 0]
+    other = [90, 91]  # routed for the expiry check without touching the prompt's pages
+    now[0] = 9.0
+    router.on_events(1, [])  # backend 1's heartbeat; backend 0 stays quiet
+    router.order(other, None)
+    assert held() == [40, 0]
+    now[0] = 10.5
+    router.order(other, None)
+    assert held() == [0, 0]  # backend 0 has been silent for over 10 s: forgotten
+    assert "no KV events" in caplog.text
+    router.on_events(0, [])  # its heartbeats resume: new events count again
+    cache.reset()
+    cache.insert(np.array(prompt, dtype=np.int32), cache.allocator.alloc(40))
+    router.on_events(0, [e for e in cache.take_events() if type(e).__name__ == "BlockStored"])
+    assert held() == [40, 0]

@@ -10,7 +10,9 @@ rendered differently by the backend; it is then routed as if it had no cached pr
 Load as the router sees it: the requests and prompt tokens it has in flight per backend, and
 how long the oldest has been waiting for its answer. A backend that refuses connections is
 marked down for `retry_after` seconds, the request goes to the next choice, and `precise`
-forgets the backend's pages; when every backend is down the client gets a 503.
+forgets the backend's pages; when every backend is down the client gets a 503. A backend
+whose KV events stop (no batch, not even the publisher's heartbeat, for `events_timeout`
+seconds) has its pages forgotten too, until its events resume.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class _Backend:
     in_flight: dict[int, tuple[float, int]] = field(default_factory=dict)  # id -> (t0, tokens)
     down_until: float = 0.0
     routed: int = 0
+    last_events: float = 0.0  # when its last KV event batch arrived
+    events_expired: bool = False
 
     def load(self, now: float) -> ReplicaLoad:
         tokens = sum(t for _, t in self.in_flight.values())
@@ -58,11 +62,15 @@ class Router:
         tokenizer: TextTokenizer,
         page_size: int = 1,
         retry_after: float = 5.0,
+        events_timeout: float = 10.0,
+        clock=time.monotonic,
     ) -> None:
-        self.backends = [_Backend(url.rstrip("/")) for url in backends]
+        self.clock = clock
+        self.backends = [_Backend(url.rstrip("/"), last_events=clock()) for url in backends]
         self.policy = make_routing_policy(policy, len(self.backends), page_size=page_size)
         self.tokenizer = tokenizer
         self.retry_after = retry_after
+        self.events_timeout = events_timeout
         self.lock = threading.Lock()
         self._ids = 0
 
@@ -91,8 +99,9 @@ class Router:
 
     def order(self, ids: list[int], session: str | None) -> list[int]:
         """Backends to try, the policy's choice first, then the rest by load; down ones last."""
-        now = time.monotonic()
+        now = self.clock()
         with self.lock:
+            self._expire_silent(now)
             loads = [b.load(now) for b in self.backends]
             first = self.policy.choose(RouteRequest(ids, session=session), loads)
         rest = sorted(
@@ -105,7 +114,7 @@ class Router:
     def start(self, k: int, tokens: int) -> int:
         with self.lock:
             self._ids += 1
-            self.backends[k].in_flight[self._ids] = (time.monotonic(), tokens)
+            self.backends[k].in_flight[self._ids] = (self.clock(), tokens)
             self.backends[k].routed += 1
             return self._ids
 
@@ -115,13 +124,34 @@ class Router:
 
     def mark_down(self, k: int) -> None:
         with self.lock:
-            self.backends[k].down_until = time.monotonic() + self.retry_after
+            self.backends[k].down_until = self.clock() + self.retry_after
             if isinstance(self.policy, Precise):
                 self.policy.forget(k)
 
     def on_events(self, k: int, events) -> None:
+        """Backend k's next event batch (an empty one is a heartbeat)."""
         with self.lock:
+            backend = self.backends[k]
+            backend.last_events = self.clock()
+            if backend.events_expired:
+                backend.events_expired = False
+                log.info("backend %d (%s): KV events resumed", k, backend.url)
             self.policy.on_events(k, events)
+
+    def _expire_silent(self, now: float) -> None:
+        if not isinstance(self.policy, Precise):
+            return
+        for k, backend in enumerate(self.backends):
+            silent = now - backend.last_events
+            if silent > self.events_timeout and not backend.events_expired:
+                backend.events_expired = True
+                self.policy.forget(k)
+                log.warning(
+                    "backend %d (%s): no KV events for %.0f s; its pages are forgotten",
+                    k,
+                    backend.url,
+                    silent,
+                )
 
 
 def _text(content) -> str:
@@ -137,9 +167,10 @@ def create_router_app(
     kv_event_endpoints: Sequence[str] | None = None,
     page_size: int = 1,
     timeout: float = 600.0,
+    events_timeout: float = 10.0,
 ) -> FastAPI:
     """A FastAPI app routing the serving API over `backends` (their base URLs)."""
-    router = Router(backends, policy, tokenizer, page_size)
+    router = Router(backends, policy, tokenizer, page_size, events_timeout=events_timeout)
     if kv_event_endpoints and len(kv_event_endpoints) != len(backends):
         raise ValueError("give one KV events endpoint per backend")
     client = httpx.AsyncClient(timeout=timeout)

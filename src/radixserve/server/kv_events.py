@@ -10,6 +10,11 @@ sends [b"", start (8 bytes)] (a REQ socket adds the empty frame itself) and gets
 Block hashes are radixserve's chained SHA-256 page digests (bytes); `medium` is the device
 the pool lives on; `namespace` is the tree's `extra_key` as text, omitted when there is none.
 
+When nothing was published for `heartbeat` seconds, the publisher sends a batch with no events
+(numbered and replayable like any other), so that a subscriber can tell a quiet engine from
+one that stopped publishing: `radixserve router` forgets a backend's pages when no batch has
+come for its `--kv-events-timeout`.
+
 Needs the `events` extra (pyzmq, msgspec).
 """
 
@@ -123,8 +128,10 @@ class KVEventPublisher:
         topic: str = "",
         medium: str = "CPU",
         buffer_batches: int = 10_000,
+        heartbeat: float = 1.0,
     ) -> None:
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        self.heartbeat = heartbeat
         self.topic = topic.encode()
         self.medium = medium
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -165,6 +172,7 @@ class KVEventPublisher:
         poller = zmq.Poller()
         if replay is not None:
             poller.register(replay, zmq.POLLIN)
+        last_sent = time.monotonic()
         try:
             while not self._stop.is_set():
                 if replay is not None and poller.poll(10):
@@ -176,16 +184,21 @@ class KVEventPublisher:
                         ts, events = self._queue.get_nowait()
                     except queue.Empty:
                         break
-                    batch = KVEventBatch(ts, [to_wire(e, self.medium) for e in events])
-                    payload = self._encoder.encode(batch)
-                    seq = self._seq.to_bytes(8, "big")
-                    self._buffer.append((self._seq, payload))
-                    self._seq += 1
-                    pub.send_multipart([self.topic, seq, payload])
+                    self._send(pub, KVEventBatch(ts, [to_wire(e, self.medium) for e in events]))
+                    last_sent = time.monotonic()
+                if time.monotonic() - last_sent >= self.heartbeat:
+                    self._send(pub, KVEventBatch(time.time(), []))
+                    last_sent = time.monotonic()
         finally:
             pub.close(linger=0)
             if replay is not None:
                 replay.close(linger=0)
+
+    def _send(self, pub, batch: KVEventBatch) -> None:
+        payload = self._encoder.encode(batch)
+        self._buffer.append((self._seq, payload))
+        pub.send_multipart([self.topic, self._seq.to_bytes(8, "big"), payload])
+        self._seq += 1
 
     def _serve_replay(self, replay) -> None:
         frames = replay.recv_multipart()
