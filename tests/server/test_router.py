@@ -146,3 +146,51 @@ def test_a_backend_whose_events_stop_has_its_pages_forgotten(caplog):
     cache.insert(np.array(prompt, dtype=np.int32), cache.allocator.alloc(40))
     router.on_events(0, [e for e in cache.take_events() if type(e).__name__ == "BlockStored"])
     assert held() == [40, 0]
+
+
+def test_a_slow_backend_loses_its_affinity_to_load(cluster):
+    """Requests sharing a prefix follow its KV while its backend keeps up; once that backend
+    slows down, the requests queued there make the other one cheaper."""
+    router, backends, _ = cluster
+
+    def routed() -> list[int]:
+        stats = httpx.get(f"{router.url}/router/stats").json()["backends"]
+        return [b["routed"] for b in stats]
+
+    def send(k: int) -> None:
+        body = {"prompt": f"{SHARED} t{k % 80 + 3} t{k % 70 + 5}", "max_tokens": 4}
+        reply = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200
+
+    send(0)
+    time.sleep(0.5)  # the home backend's events reach the router
+    home = routed().index(1)
+    before = routed()
+    for k in range(1, 5):  # one at a time: the home backend keeps up
+        send(k)
+    after = routed()
+    assert after[home] - before[home] == 4
+
+    engine = backends[home].engine
+    real_step = engine.step
+
+    def slow_step():
+        time.sleep(0.25)
+        return real_step()
+
+    engine.step = slow_step
+    threads = []
+    start = time.monotonic()
+    for k in range(5, 15):  # a request every 0.1 s; the home backend now takes seconds each
+        threads.append(threading.Thread(target=send, args=(k,)))
+        threads[-1].start()
+        time.sleep(0.1)
+    for thread in threads:
+        thread.join(60)
+    assert time.monotonic() - start < 60
+    final = routed()
+    assert final[1 - home] - after[1 - home] >= 3  # load took over from affinity
+    assert sum(final) == 15
+    engine.step = real_step
+    for b in backends:
+        b.idle_check()
