@@ -42,9 +42,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from engine import LLAMA_CPP_CMAKE_ARGS, LLAMA_CPP_VERSION
 from radixserve.model.loader import default_model_path
 
-LLAMA_CPP_VERSION = "0.3.36"
 LLAMA_SERVER_CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
@@ -55,14 +55,7 @@ LLAMA_SERVER_CMAKE_FLAGS = [
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_SERVER=ON",
-    # The flags bench/engine.py builds llama-cpp-python with: a native build of 0.3.36
-    # segfaulted on its first eval on this machine.
-    "-DGGML_NATIVE=OFF",
-    "-DGGML_AVX=ON",
-    "-DGGML_AVX2=ON",
-    "-DGGML_FMA=ON",
-    "-DGGML_F16C=ON",
-    "-DGGML_AVX512=ON",
+    *LLAMA_CPP_CMAKE_ARGS.split(),  # the GGML flags bench/engine.py builds llama.cpp with
 ]
 
 

@@ -38,7 +38,7 @@ class CompiledDecode:
     """
 
     def __init__(self, model: LlamaForCausalLM, kv: KVPool, device: torch.device) -> None:
-        self.model, self.kv, self.device = model, kv, device
+        self.kv, self.device = kv, device
         # Only the batch and context-width dimensions vary; the pool and weights stay static.
         # The generated code's stride checks cost about 1 ms a step at batch 1 (1,200 calls).
         self._graph = torch.compile(
