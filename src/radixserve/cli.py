@@ -115,7 +115,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from radixserve.sim.report import markdown_table, plot_hit_rates, write_csv
     from radixserve.sim.traces import sniff_format
 
-    keys = args.keys if args.keys != "auto" else ("blocks" if args.cache_only else "tokens")
+    keys = "tokens" if args.keys == "tokens" else "blocks"
     spec = {
         "trace": args.trace,
         "format": args.format,
@@ -162,7 +162,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 "on scheduling as much as on eviction; --cache-only compares eviction alone"
             )
     print(f"{what}\n")
-    print(markdown_table(results, infinite_bound=bound))
+    print(markdown_table(results, infinite_bound=bound, unit=unit))
     if args.out:
         out = _write_results(args, "replay.json", results, trace, bound, unique_tokens=unique)
         write_csv(out / "replay.csv", results)
@@ -626,8 +626,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--keys",
         choices=("auto", "blocks", "tokens"),
         default="auto",
-        help="Mooncake traces: one key per block, or block-size token ids per block "
-        "(auto: blocks with --cache-only, else tokens)",
+        help="Mooncake traces: one key per block (auto), or block-size token ids per block; "
+        "with blocks, --cache N and the counts are in blocks",
     )
     rp.add_argument(
         "--skip-bad-lines",

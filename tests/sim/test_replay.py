@@ -162,3 +162,63 @@ def test_offered_load_is_prefill_work_over_the_arrival_span():
     assert offered_load(trace, cost, "trace") == pytest.approx(work / 10.0)
     assert offered_load(trace, cost, "burst") == math.inf
     assert math.isnan(offered_load(trace, cost, "closed-loop:4"))
+
+
+def _whole_block_trace(tmp_path, block: int, seed: int):
+    """A Mooncake-format chat trace whose prompts and answers end on block boundaries (an
+    answer of 1 + j * block tokens: the prefill's token, then j whole blocks)."""
+    from radixserve.sim.traces import read_mooncake, write_mooncake
+    from radixserve.sim.workloads import mooncake_conversation
+
+    records = mooncake_conversation(num_sessions=300, block_size=block, seed=seed)
+    rng = np.random.default_rng(seed)
+    for record in records:
+        record["input_length"] = block * len(record["hash_ids"])
+        record["output_length"] = 1 + block * int(rng.integers(1, 4))
+    path = tmp_path / f"trace-{seed}.jsonl"
+    write_mooncake(path, records)
+    return read_mooncake(path, block, block_keys=True), read_mooncake(path, block)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_block_level_replay_matches_token_level_at_page_size_block(tmp_path, seed):
+    block = 16
+    blocks, tokens = _whole_block_trace(tmp_path, block, seed)
+    assert sum(len(r.input_ids) for r in tokens) == block * sum(len(r.input_ids) for r in blocks)
+    for eviction in ("lru", "fifo"):
+        for size in (200, 600):
+            by_block = replay(blocks, ReplayConfig(eviction_policy=eviction, kv_cache_tokens=size))
+            by_token = replay(
+                tokens,
+                ReplayConfig(
+                    eviction_policy=eviction, kv_cache_tokens=block * size, page_size=block
+                ),
+            )
+            assert by_block.token_hit_rate == pytest.approx(by_token.token_hit_rate, abs=0.005)
+            assert by_block.failed == by_token.failed == 0
+            # the answers' real tokens, and the time they take, not their keys
+            assert by_block.output_tokens == by_token.output_tokens
+            assert by_block.makespan == pytest.approx(by_token.makespan, rel=1e-3)
+
+
+def test_a_block_key_decode_step_costs_the_tokens_its_key_holds():
+    from radixserve.sim.traces import answer_keys
+
+    assert [answer_keys(n, 8) for n in (0, 1, 2, 9, 10, 17)] == [0, 1, 2, 2, 3, 3]
+    block, answer = 8, 10  # keys: the prefill's token, then 8 tokens, then 1
+    trace = [
+        TraceRequest(
+            "a",
+            0.0,
+            np.arange(3, dtype=np.int32),
+            answer_keys(answer, block),
+            key_tokens=block,
+            answer_tokens=answer,
+        )
+    ]
+    cost = CostModel(decode_per_request=0.0, decode_per_context_token=0.0)
+    result = replay(trace, ReplayConfig(kv_cache_tokens=64, cost_model=cost))
+    prefill = cost.prefill_batch_overhead + cost.prefill_time(3 * block, 0)
+    assert result.makespan == pytest.approx(prefill + (answer - 1) * cost.decode_step)
+    assert result.output_tokens == answer
+    assert result.prompt_tokens == 3  # counts stay in blocks

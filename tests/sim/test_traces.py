@@ -148,3 +148,17 @@ def test_token_jsonl_round_trips(tmp_path):
 def test_token_jsonl_rejects_bad_fields(tmp_path, record):
     with pytest.raises(InvalidArgumentError, match=r"t\.jsonl:1"):
         read_token_jsonl(write_lines(tmp_path / "t.jsonl", [record]))
+
+
+def test_a_mooncake_replay_runs_block_keys_by_default(tmp_path, capsys):
+    from radixserve.cli import main
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in MOONCAKE))
+    assert main(["replay", str(path), "--block-size", "4", "--cache", "100"]) == 0
+    by_block = capsys.readouterr().out
+    assert "| cache blocks |" in by_block
+    assert (
+        main(["replay", str(path), "--block-size", "4", "--cache", "100", "--keys", "tokens"]) == 0
+    )
+    assert "| cache tokens |" in capsys.readouterr().out

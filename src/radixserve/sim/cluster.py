@@ -30,12 +30,14 @@ from radixserve.sim.replay import (
     Outcomes,
     ReplayConfig,
     arrival_times,
+    batch_seconds,
     dependency_queue,
     parse_arrivals,
     percentile,
     pool_size,
     scheduler_config,
     scripted_tokens,
+    tokens_per_key,
     trace_index,
     trace_req,
 )
@@ -71,7 +73,7 @@ class ClusterResult:
 
 
 class _Replica:
-    def __init__(self, config: ReplayConfig, kv_tokens: int, events: bool) -> None:
+    def __init__(self, config: ReplayConfig, kv_tokens: int, events: bool, key_tokens: int) -> None:
         self.now = 0.0
         self.busy = 0.0
         self.routed = 0
@@ -84,7 +86,9 @@ class _Replica:
             enable_kv_events=events,
             clock=self.clock,
         )
-        self.scheduler = Scheduler(self.cache, scheduler_config(config), clock=self.clock)
+        self.scheduler = Scheduler(
+            self.cache, scheduler_config(config, key_tokens), clock=self.clock
+        )
 
     def clock(self) -> float:
         return self.now
@@ -125,7 +129,8 @@ def replay_cluster(
         router, replicas, page_size=config.page_size, **(router_options or {})
     )
     events = router == "precise"
-    nodes = [_Replica(config, kv_tokens, events) for _ in range(replicas)]
+    key_tokens = tokens_per_key(trace)
+    nodes = [_Replica(config, kv_tokens, events, key_tokens) for _ in range(replicas)]
     index = trace_index(trace)
     arrivals = arrival_times(trace, kind, value)
     ready, blocked = dependency_queue(trace, arrivals, index)
@@ -151,7 +156,7 @@ def replay_cluster(
             node = nodes[k]
             batch = node.scheduler.step()
             if batch is not None:
-                took = config.cost_model.batch_time(batch)
+                took = batch_seconds(config.cost_model, batch, trace, index, key_tokens)
                 node.now += took
                 node.busy += took
                 node.scheduler.process_batch_result(batch, scripted_tokens(batch, trace, index))
@@ -166,7 +171,7 @@ def replay_cluster(
                 done += 1
                 for child in blocked.pop(req.rid, ()):
                     heapq.heappush(ready, (max(arrivals[child], node.now), child))
-                outcomes.record(req)
+                outcomes.record(req, trace[index[req.rid]].answer_tokens)
         else:
             raise InvalidArgumentError(
                 f"{n - done} requests wait on an `after` that never finishes (a cycle?)"

@@ -6,12 +6,17 @@ scale with the new tokens, attention with new tokens times the context they atte
 cache hit saves both. A decode step over a batch costs
 `decode_step + decode_per_request * batch_size + decode_per_context_token * total_context`.
 
+With block keys (`tokens_per_key` > 1) each key stands for that many tokens: a prefill costs
+its keys' tokens, and a decode step, which emits one key per request, stands for as many real
+decode steps as the tokens that key holds, with the batch shrinking as shorter answers end.
+
 The defaults are of the order of a 7B model on one datacenter GPU; they are constants to
 change, not measurements.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from radixserve.errors import InvalidArgumentError
@@ -37,15 +42,29 @@ class CostModel:
         pairs = new_tokens * (prefix_tokens + new_tokens / 2)
         return self.prefill_per_token * new_tokens + self.prefill_attention_per_pair * pairs
 
-    def batch_time(self, batch: Batch) -> float:
-        """Seconds the batch's forward pass takes."""
+    def batch_time(
+        self,
+        batch: Batch,
+        tokens_per_key: int = 1,
+        decode_tokens: Sequence[int] | None = None,
+    ) -> float:
+        """Seconds the batch's forward pass takes, each key standing for `tokens_per_key`
+        tokens. `decode_tokens[i]`: the real tokens entry i's decoded key holds (default: all
+        `tokens_per_key`); ignored by prefill batches."""
+        k = tokens_per_key
         if batch.mode is ForwardMode.EXTEND:
             return self.prefill_batch_overhead + sum(
-                self.prefill_time(len(e.token_ids), len(e.prefix_slots)) for e in batch.entries
+                self.prefill_time(k * len(e.token_ids), k * len(e.prefix_slots))
+                for e in batch.entries
             )
-        context = sum(len(e.prefix_slots) + 1 for e in batch.entries)
+        steps = decode_tokens if decode_tokens is not None else [k] * len(batch.entries)
+        # entry i runs t_i real steps over a context of c_i, c_i + 1, ... tokens
+        context = sum(
+            t * (k * len(e.prefix_slots) + 1) + t * (t - 1) / 2
+            for t, e in zip(steps, batch.entries, strict=True)
+        )
         return (
-            self.decode_step
-            + self.decode_per_request * len(batch.entries)
+            self.decode_step * max(steps, default=0)
+            + self.decode_per_request * sum(steps)
             + self.decode_per_context_token * context
         )

@@ -23,7 +23,7 @@ from radixserve.cache.evict import EvictionPolicy, make_eviction_policy
 from radixserve.cache.radix import RadixCache
 from radixserve.errors import InvalidArgumentError
 from radixserve.sched.request import Req, SamplingParams, pages
-from radixserve.sched.scheduler import Batch, Scheduler, SchedulerConfig
+from radixserve.sched.scheduler import Batch, ForwardMode, Scheduler, SchedulerConfig
 from radixserve.sim.costmodel import CostModel
 from radixserve.sim.oracle import BeladyPolicy, unique_tokens
 from radixserve.sim.traces import TraceRequest
@@ -111,7 +111,8 @@ def offered_load(trace: Sequence[TraceRequest], cost_model: CostModel, arrivals:
     kind, value = parse_arrivals(arrivals)
     if kind == "closed-loop":
         return math.nan
-    work = sum(cost_model.prefill_time(len(r.input_ids), 0) for r in trace)
+    k = tokens_per_key(trace)
+    work = sum(cost_model.prefill_time(k * len(r.input_ids), 0) for r in trace)
     times = [r.arrival for r in trace]
     span = (max(times) - min(times)) / (value if kind == "scaled" else 1.0)
     if kind == "burst" or span <= 0:
@@ -189,14 +190,60 @@ def make_policy(
     return make_eviction_policy(name)
 
 
-def scheduler_config(config: ReplayConfig) -> SchedulerConfig:
-    """The scheduler settings a replay's `config` names."""
-    return SchedulerConfig(
-        schedule_policy=config.schedule_policy,
-        max_running_requests=config.max_running_requests,
-        chunked_prefill_size=config.chunked_prefill_size,
+_TOKEN_DENOMINATED = (
+    "chunked_prefill_size",
+    "in_batch_prefix_check_threshold",
+    "in_batch_prefix_defer_threshold",
+    "clip_max_new_tokens",
+)
+
+
+def scheduler_config(config: ReplayConfig, tokens_per_key: int = 1) -> SchedulerConfig:
+    """The scheduler settings a replay's `config` names; limits given in tokens are converted
+    to keys of `tokens_per_key` tokens (rounded up, at least 1)."""
+    options = {
+        "schedule_policy": config.schedule_policy,
+        "max_running_requests": config.max_running_requests,
+        "chunked_prefill_size": config.chunked_prefill_size,
         **config.scheduler_options,
-    )
+    }
+    if tokens_per_key > 1:
+        for name in _TOKEN_DENOMINATED:
+            if name in options and isinstance(options[name], int) and options[name] > 0:
+                options[name] = -(-options[name] // tokens_per_key)
+            elif name not in options:
+                default = getattr(SchedulerConfig, name)
+                options[name] = max(1, -(-default // tokens_per_key))
+    return SchedulerConfig(**options)
+
+
+def tokens_per_key(trace: Sequence[TraceRequest]) -> int:
+    """The tokens one key of `trace` stands for (block keys), which all its requests share."""
+    sizes = {r.key_tokens for r in trace}
+    if len(sizes) != 1:
+        raise InvalidArgumentError(f"a trace mixes keys of {sorted(sizes)} tokens")
+    return sizes.pop()
+
+
+def batch_seconds(
+    cost_model: CostModel,
+    batch: Batch,
+    trace: Sequence[TraceRequest],
+    index: dict[str, int],
+    key_tokens: int = 1,
+) -> float:
+    """Simulated seconds of `batch`. With block keys a decoded key is charged the tokens of
+    the answer it holds: the first key (the prefill's) one token, each later one up to
+    `key_tokens`, the last what is left of the trace's `answer_tokens`."""
+    if key_tokens == 1 or batch.mode is ForwardMode.EXTEND:
+        return cost_model.batch_time(batch, key_tokens)
+    steps = []
+    for entry in batch.entries:
+        answer = trace[index[entry.req.rid]].answer_tokens
+        before = 1 + (len(entry.req.output_ids) - 1) * key_tokens  # tokens of earlier keys
+        left = key_tokens if answer is None else answer - before
+        steps.append(max(1, min(key_tokens, left)))
+    return cost_model.batch_time(batch, key_tokens, steps)
 
 
 def trace_index(trace: Sequence[TraceRequest]) -> dict[str, int]:
@@ -242,11 +289,13 @@ class Outcomes:
     e2e: list[float] = field(default_factory=list)
     queue: list[float] = field(default_factory=list)
 
-    def record(self, req: Req) -> None:
+    def record(self, req: Req, answer_tokens: int | None = None) -> None:
+        """Count finished `req`; `answer_tokens`, where given, is its answer's length in
+        tokens (block keys), else its output ids are."""
         if req.finish_reason.kind == "abort":
             self.failed += 1
             return
-        self.output_tokens += len(req.output_ids)
+        self.output_tokens += len(req.output_ids) if answer_tokens is None else answer_tokens
         self.e2e.append(req.finish_time - req.arrival_time)
         if req.first_token_time is not None:
             self.ttft.append(req.first_token_time - req.arrival_time)
@@ -272,9 +321,16 @@ def replay(
     progress: bool = False,
 ) -> ReplayResult:
     """Serve `trace` under `config` and measure it. `unique` may pass a precomputed
-    `unique_tokens(trace)` when sizing the cache by fraction."""
+    `unique_tokens(trace)` when sizing the cache by fraction.
+
+    With block keys (`TraceRequest.key_tokens` > 1) the pool (`kv_cache_tokens`), the hit
+    rate and the result's prompt, cache and eviction counts are in blocks, a partial last block
+    counting whole; the scheduler's token limits are converted to blocks; the cost model and
+    the output token count see the real tokens.
+    """
     if not trace:
         raise InvalidArgumentError("the trace is empty")
+    k = tokens_per_key(trace)
     if unique is None:
         unique = unique_tokens(trace)
     largest = max(len(r.input_ids) + r.output_len for r in trace)
@@ -298,7 +354,7 @@ def replay(
     on_admit = None
     if isinstance(policy, BeladyPolicy):
         on_admit = policy.on_admit
-    scheduler = Scheduler(cache, scheduler_config(config), clock=clock, on_admit=on_admit)
+    scheduler = Scheduler(cache, scheduler_config(config, k), clock=clock, on_admit=on_admit)
     index = trace_index(trace)
     kind, value = parse_arrivals(config.arrivals)
     arrivals = arrival_times(trace, kind, value)
@@ -323,7 +379,7 @@ def replay(
         batch = scheduler.step() if scheduler.has_work() else None
         wall += time.perf_counter() - tick
         if batch is not None:
-            now[0] += config.cost_model.batch_time(batch)
+            now[0] += batch_seconds(config.cost_model, batch, trace, index, k)
             tokens = scripted_tokens(batch, trace, index)
             tick = time.perf_counter()
             scheduler.process_batch_result(batch, tokens)
@@ -336,7 +392,7 @@ def replay(
             in_flight -= 1
             for child in blocked.pop(req.rid, ()):
                 heapq.heappush(ready, (max(arrivals[child], now[0]), child))
-            outcomes.record(req)
+            outcomes.record(req, trace[index[req.rid]].answer_tokens)
         if batch is None and not finished:
             if ready and (clients is None or in_flight < clients):
                 now[0] = max(now[0], ready[0][0])

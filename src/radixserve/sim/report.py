@@ -12,7 +12,7 @@ from radixserve.sim.replay import ReplayResult
 COLUMNS = (
     ("eviction", lambda r: r.eviction_policy),
     ("schedule", lambda r: r.schedule_policy),
-    ("cache tokens", lambda r: f"{r.kv_tokens:,}"),
+    ("cache {unit}", lambda r: f"{r.kv_tokens:,}"),
     ("cache %", lambda r: f"{100 * r.cache_fraction:.2f}"),
     ("hit rate %", lambda r: f"{100 * r.token_hit_rate:.2f}"),
     ("prefill computed %", lambda r: f"{100 * r.prefill_computed_fraction:.1f}"),
@@ -28,15 +28,18 @@ COLUMNS = (
 )
 
 
-def markdown_table(results: Sequence[ReplayResult], infinite_bound: float | None = None) -> str:
-    """One row per replay; the first percentage column is the token hit rate."""
+def markdown_table(
+    results: Sequence[ReplayResult], infinite_bound: float | None = None, unit: str = "tokens"
+) -> str:
+    """One row per replay; the first percentage column is the hit rate over `unit` (tokens,
+    or blocks with block keys)."""
     lines = [
-        "| " + " | ".join(name for name, _ in COLUMNS) + " |",
+        "| " + " | ".join(name.format(unit=unit) for name, _ in COLUMNS) + " |",
         "|" + "|".join("---" for _ in COLUMNS) + "|",
     ]
     lines += ["| " + " | ".join(cell(r) for _, cell in COLUMNS) + " |" for r in results]
     if infinite_bound is not None:
-        lines.append(f"\nInfinite-cache bound: {100 * infinite_bound:.2f}% token hit rate.")
+        lines.append(f"\nInfinite-cache bound: {100 * infinite_bound:.2f}% hit rate.")
     return "\n".join(lines)
 
 

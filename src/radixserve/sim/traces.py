@@ -7,7 +7,9 @@ its blocks in order, cut to `input_length`. Block `h` becomes the token ids
 `h * block_size + [0, block_size)`, so distinct ids give distinct blocks. With `block_keys`
 each block is instead one key, the token id `h`: a 512-token block is one unit of cache, the
 prompt is its `ceil(input_length / block_size)` blocks (a partial last block counts whole), and
-hit rates are block hit rates, as cache studies of these traces report them.
+hit rates are block hit rates, as cache studies of these traces report them. An answer of L
+tokens is then 1 + ceil((L - 1) / block_size) keys (`answer_keys`): the prefill's first token,
+then one key per block of decode; the replay's cost model charges each key its real tokens.
 
 radixserve JSONL: one request per line with `input_ids` (a list of token ids) and optionally
 `rid`, `arrival` (seconds), `output_len` (default 128), `output_ids` (what the model will
@@ -42,6 +44,10 @@ class TraceRequest:
     priority: int = 0
     after: str | None = None
     """The rid of a request whose answer this prompt quotes: it is sent once that one ends."""
+    key_tokens: int = 1
+    """How many tokens one key of `input_ids` stands for: 1, or the block size of block keys."""
+    answer_tokens: int | None = None
+    """The answer's length in tokens, where `output_len` counts keys that stand for several."""
 
 
 def _fail(path: Path, line_no: int, message: str) -> InvalidArgumentError:
@@ -107,6 +113,12 @@ def _int_field(path: Path, line_no: int, record: dict, name: str, lo: int = 0) -
     return value
 
 
+def answer_keys(answer_tokens: int, block_size: int) -> int:
+    """The keys an answer of `answer_tokens` takes with block keys: the first token, which the
+    prefill emits alone, then one key per `block_size` tokens after it."""
+    return 0 if answer_tokens == 0 else 1 + -(-(answer_tokens - 1) // block_size)
+
+
 def read_mooncake(
     path: str | Path,
     block_size: int = 512,
@@ -150,9 +162,10 @@ def read_mooncake(
         scale = 1 if block_keys else block_size
         if blocks.size and (blocks.max() + 1) * scale > _TOKEN_LIMIT:
             raise _fail(path, line_no, "a hash id is too large for int32 token ids")
+        answer_tokens = output_len
         if block_keys:
             tokens = blocks
-            output_len = -(-output_len // block_size)
+            output_len = answer_keys(output_len, block_size)
         else:
             tokens = (blocks[:, None] * block_size + offsets).ravel()[:input_len]
         return TraceRequest(
@@ -160,6 +173,8 @@ def read_mooncake(
             arrival=float(timestamp) / 1000.0,
             input_ids=tokens.astype(TOKEN_DTYPE),
             output_len=output_len,
+            key_tokens=block_size if block_keys else 1,
+            answer_tokens=answer_tokens if block_keys else None,
         )
 
     return _parse_lines(path, parse, skipped, ordered=True)
