@@ -146,17 +146,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.cache_only:
         return _cache_only(args, trace, results, bound, unique, unit)
     cost_model = parse_cost_model(args.cost)
-    load = offered_load(trace, cost_model, args.arrivals)
+    prefill = offered_load(trace, cost_model, args.arrivals)
+    load = max(r.offered_load for r in results)
+    peak = max(r.peak_load for r in results)
     if math.isnan(load):
         what = f"arrivals {args.arrivals}: the offered load follows the simulated server"
     elif math.isinf(load):
         what = f"arrivals {args.arrivals}: every request is queued at once"
     else:
         what = (
-            f"offered load {load:.2f}x (prefill without reuse over the arrival span, "
-            f"arrivals {args.arrivals})"
+            f"offered load up to {load:.2f}x, {peak:.2f}x in the busiest tenth of the arrival "
+            "span (the load column: prefill and decode without reuse over the span, decoding "
+            f"at the batch each row's pool holds; prefill alone {prefill:.2f}x; arrivals "
+            f"{args.arrivals})"
         )
-        if load > 1:
+        if peak > 1:
             what += (
                 ": the simulated server is overloaded, so queues grow and hit rates depend "
                 "on scheduling as much as on eviction; --cache-only compares eviction alone"

@@ -222,3 +222,33 @@ def test_a_block_key_decode_step_costs_the_tokens_its_key_holds():
     assert result.makespan == pytest.approx(prefill + (answer - 1) * cost.decode_step)
     assert result.output_tokens == answer
     assert result.prompt_tokens == 3  # counts stay in blocks
+
+
+def test_offered_load_adds_decode_at_the_batch_the_pool_holds():
+    from radixserve.sim.replay import offered_load
+
+    cost = CostModel(decode_per_request=0.0, decode_per_context_token=0.0)
+    trace = [
+        TraceRequest("a", 0.0, np.arange(100, dtype=np.int32), 50),
+        TraceRequest("b", 10.0, np.arange(100, dtype=np.int32), 50),
+    ]
+    prefill = offered_load(trace, cost, "trace")
+    # a pool of 150 tokens holds one request of 150: 100 decode steps one at a time
+    one = offered_load(trace, cost, "trace", pool_keys=150)
+    assert one == pytest.approx(prefill + 100 * cost.decode_step / 10.0)
+    # a pool of 3,000 holds 20, but at most 2 may run: the steps are shared by two
+    two = offered_load(trace, cost, "trace", pool_keys=3000, max_running_requests=2)
+    assert two == pytest.approx(prefill + 50 * cost.decode_step / 10.0)
+
+
+def test_peak_load_reads_the_busiest_window_of_the_span():
+    from radixserve.sim.replay import offered_load
+
+    cost = CostModel()
+    prompt = np.arange(100, dtype=np.int32)
+    # nine requests in the first tenth of 100 s, one at the end
+    trace = [TraceRequest(f"r{i}", float(i), prompt, 1) for i in range(9)]
+    trace.append(TraceRequest("late", 100.0, prompt, 1))
+    one = cost.prefill_time(100, 0)
+    assert offered_load(trace, cost, "trace") == pytest.approx(10 * one / 100.0)
+    assert offered_load(trace, cost, "trace", windows=10) == pytest.approx(9 * one / 10.0)

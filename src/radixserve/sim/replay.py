@@ -29,6 +29,7 @@ from radixserve.sim.oracle import BeladyPolicy, unique_tokens
 from radixserve.sim.traces import TraceRequest
 
 _SYNTHETIC_BASE = 2**30
+PEAK_WINDOWS = 10  # the peak load is the busiest of this many equal parts of the span
 
 
 @dataclass(frozen=True)
@@ -101,23 +102,52 @@ def parse_arrivals(spec: str) -> tuple[str, float]:
     )
 
 
-def offered_load(trace: Sequence[TraceRequest], cost_model: CostModel, arrivals: str) -> float:
-    """Prefill work without any reuse, in simulated seconds, over the span of the arrivals.
+def offered_load(
+    trace: Sequence[TraceRequest],
+    cost_model: CostModel,
+    arrivals: str,
+    *,
+    pool_keys: int | None = None,
+    max_running_requests: int = 256,
+    windows: int = 1,
+) -> float:
+    """Work without any reuse, in simulated seconds, over the span of the arrivals; with
+    `windows` > 1, the span is cut into that many equal windows and the busiest one's work
+    over its length is returned (the peak load).
 
-    Above 1 the simulated server cannot keep up even if it batched perfectly, unless the cache
-    saves the difference: queues grow, and hit rates depend on scheduling as much as on
-    eviction. Infinite for `burst`; nan for `closed-loop`, whose load follows the server.
+    The work is every prompt's prefill and, given the KV pool (`pool_keys`, in the trace's
+    keys), every answer's decode at the largest batch the pool and `max_running_requests`
+    allow: as many average requests (prompt and answer) as the pool holds. Above 1 the
+    simulated server cannot keep up even if it batched perfectly, unless the cache saves the
+    difference: queues grow, and hit rates depend on scheduling as much as on eviction.
+    Infinite for `burst`; nan for `closed-loop`, whose load follows the server.
     """
     kind, value = parse_arrivals(arrivals)
     if kind == "closed-loop":
         return math.nan
     k = tokens_per_key(trace)
-    work = sum(cost_model.prefill_time(k * len(r.input_ids), 0) for r in trace)
-    times = [r.arrival for r in trace]
-    span = (max(times) - min(times)) / (value if kind == "scaled" else 1.0)
+    work = np.array([cost_model.prefill_time(k * len(r.input_ids), 0) for r in trace])
+    if pool_keys is not None:
+        footprint = sum(len(r.input_ids) + r.output_len for r in trace) / len(trace)
+        batch = max(1.0, min(max_running_requests, pool_keys / max(footprint, 1.0)))
+        for i, r in enumerate(trace):
+            answer = r.output_len if r.answer_tokens is None else r.answer_tokens
+            context = k * len(r.input_ids) + answer / 2
+            per_token = (
+                cost_model.decode_step / batch
+                + cost_model.decode_per_request
+                + cost_model.decode_per_context_token * context
+            )
+            work[i] += answer * per_token
+    times = np.array([r.arrival for r in trace])
+    span = (times.max() - times.min()) / (value if kind == "scaled" else 1.0)
     if kind == "burst" or span <= 0:
         return math.inf
-    return work / span
+    if windows <= 1:
+        return float(work.sum() / span)
+    where = np.minimum(((times - times.min()) / (times.max() - times.min()) * windows), windows - 1)
+    per_window = np.bincount(where.astype(np.int64), weights=work, minlength=windows)
+    return float(per_window.max() / (span / windows))
 
 
 @dataclass
@@ -150,6 +180,9 @@ class ReplayResult:
     evicted_tokens: int
     retractions: int
     offered_load: float
+    """Prefill and decode work without reuse over the arrival span (`offered_load`)."""
+    peak_load: float
+    """The same over the busiest tenth of the span."""
     wall_seconds: float
     sched_cache_us_per_request: float
 
@@ -432,7 +465,21 @@ def replay(
         queue_delay_p99=percentile(outcomes.queue, 99),
         evicted_tokens=stats.evicted_tokens,
         retractions=stats.retractions,
-        offered_load=offered_load(trace, config.cost_model, config.arrivals),
+        offered_load=offered_load(
+            trace,
+            config.cost_model,
+            config.arrivals,
+            pool_keys=kv_tokens,
+            max_running_requests=config.max_running_requests,
+        ),
+        peak_load=offered_load(
+            trace,
+            config.cost_model,
+            config.arrivals,
+            pool_keys=kv_tokens,
+            max_running_requests=config.max_running_requests,
+            windows=PEAK_WINDOWS,
+        ),
         wall_seconds=elapsed,
         sched_cache_us_per_request=wall / n * 1e6,
     )

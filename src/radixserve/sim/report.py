@@ -15,6 +15,7 @@ COLUMNS = (
     ("cache {unit}", lambda r: f"{r.kv_tokens:,}"),
     ("cache %", lambda r: f"{100 * r.cache_fraction:.2f}"),
     ("hit rate %", lambda r: f"{100 * r.token_hit_rate:.2f}"),
+    ("load (peak)", lambda r: f"{r.offered_load:.2f} ({r.peak_load:.2f})"),
     ("prefill computed %", lambda r: f"{100 * r.prefill_computed_fraction:.1f}"),
     ("tok/s", lambda r: f"{r.throughput_tokens_per_s:,.0f}"),
     ("TTFT p50 s", lambda r: f"{r.ttft_p50:.3f}"),
