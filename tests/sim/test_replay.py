@@ -201,6 +201,31 @@ def test_block_level_replay_matches_token_level_at_page_size_block(tmp_path, see
             assert by_block.makespan == pytest.approx(by_token.makespan, rel=1e-3)
 
 
+def test_block_keys_change_only_decode_timing(tmp_path):
+    """With free decode, a block-sized decode step takes no longer than a token's, and every
+    policy, adaptive ones included, gets the token-level hit rate exactly: what differs with
+    a real decode cost is when requests are admitted, not what the cache holds."""
+    block = 16
+    blocks, tokens = _whole_block_trace(tmp_path, block, seed=4)
+    free = CostModel(decode_step=0.0, decode_per_request=0.0, decode_per_context_token=0.0)
+    for eviction in ("lfu", "wgd", "slru"):
+        for size in (200, 300):
+            by_block = replay(
+                blocks,
+                ReplayConfig(eviction_policy=eviction, kv_cache_tokens=size, cost_model=free),
+            )
+            by_token = replay(
+                tokens,
+                ReplayConfig(
+                    eviction_policy=eviction,
+                    kv_cache_tokens=block * size,
+                    page_size=block,
+                    cost_model=free,
+                ),
+            )
+            assert by_block.token_hit_rate == by_token.token_hit_rate
+
+
 def test_a_block_key_decode_step_costs_the_tokens_its_key_holds():
     from radixserve.sim.traces import answer_keys
 
