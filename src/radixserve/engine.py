@@ -504,15 +504,15 @@ class Engine:
         positions = np.concatenate(
             [np.arange(p, p + n, dtype=np.int64) for p, n in zip(prefix, lens, strict=True)]
         )
-        starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64).tolist()
         sampled = [i for i, e in enumerate(entries) if e.sample]
-        sample_rows = [starts[i] + lens[i] - 1 for i in sampled]
         is_decode = batch.mode is ForwardMode.DECODE
         if is_decode and self.compiled_decode is not None:
             logits = self._compiled_forward(entries, ids, positions, new_slots)
             if logits is not None:
                 rows = logits if len(sampled) == len(entries) else logits[sampled]
                 return self._sample(entries, rows, sampled)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64).tolist()
+        sample_rows = [starts[i] + lens[i] - 1 for i in sampled]
         decodes = len(entries) if is_decode else sum(e.is_decode for e in entries)
         extends = len(entries) - decodes  # decode entries of a mixed batch come last
         meta = AttentionMetadata(
