@@ -439,6 +439,17 @@ def replay(
     elapsed = time.perf_counter() - started
     stats = scheduler.stats
     makespan = now[0] - min(arrivals)
+
+    def load(windows: int = 1) -> float:
+        return offered_load(
+            trace,
+            config.cost_model,
+            config.arrivals,
+            pool_keys=kv_tokens,
+            max_running_requests=config.max_running_requests,
+            windows=windows,
+        )
+
     return ReplayResult(
         eviction_policy=config.eviction_policy,
         schedule_policy=config.schedule_policy,
@@ -465,21 +476,8 @@ def replay(
         queue_delay_p99=percentile(outcomes.queue, 99),
         evicted_tokens=stats.evicted_tokens,
         retractions=stats.retractions,
-        offered_load=offered_load(
-            trace,
-            config.cost_model,
-            config.arrivals,
-            pool_keys=kv_tokens,
-            max_running_requests=config.max_running_requests,
-        ),
-        peak_load=offered_load(
-            trace,
-            config.cost_model,
-            config.arrivals,
-            pool_keys=kv_tokens,
-            max_running_requests=config.max_running_requests,
-            windows=PEAK_WINDOWS,
-        ),
+        offered_load=load(),
+        peak_load=load(windows=PEAK_WINDOWS),
         wall_seconds=elapsed,
         sched_cache_us_per_request=wall / n * 1e6,
     )
