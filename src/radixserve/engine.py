@@ -33,7 +33,7 @@ from radixserve.model.kv import KVPool
 from radixserve.model.loader import load_model
 from radixserve.model.sampling import SampleOutput, SamplingState, sample
 from radixserve.model.tokenizer import IncrementalDetokenizer
-from radixserve.sched.request import FinishReason, Req, SamplingParams
+from radixserve.sched.request import FinishReason, Req, SamplingParams, prepare_request
 from radixserve.sched.scheduler import Batch, ForwardMode, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -275,26 +275,9 @@ class Engine:
     ) -> tuple[list[int], SamplingParams]:
         """The token ids and sampling params `add_request` would queue; bad input raises
         ValueError (`InvalidArgumentError` naming the field). Changes nothing."""
-        params = SamplingParams.from_dict(sampling_params)
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-                raise InvalidArgumentError("token ids must be integers", field="prompt")
-            if any(not 0 <= t < self.model.config.vocab_size for t in ids):
-                raise InvalidArgumentError(
-                    f"token ids must lie in [0, {self.model.config.vocab_size})", field="prompt"
-                )
-        if not ids:
-            raise InvalidArgumentError("the prompt is empty", field="prompt")
-        if len(ids) + params.max_new_tokens > self.max_context:
-            raise InvalidArgumentError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"the context length {self.max_context}",
-                field="prompt" if len(ids) >= self.max_context else "max_new_tokens",
-            )
-        return ids, params
+        return prepare_request(
+            prompt, sampling_params, self.tokenizer, self.model.config.vocab_size, self.max_context
+        )
 
     def abort(
         self, rid: str, message: str = "aborted by the client", cause: str = "client"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -276,3 +276,32 @@ class Req:
 def pages(tokens: int, page_size: int) -> int:
     """The slots `tokens` tokens take when rounded up to whole pages."""
     return math.ceil(tokens / page_size) * page_size
+
+
+def prepare_request(
+    prompt: str | Sequence[int],
+    sampling_params: dict | SamplingParams | None,
+    tokenizer,
+    vocab_size: int,
+    max_context: int,
+) -> tuple[list[int], SamplingParams]:
+    """The token ids and checked sampling params of a request to a model with this tokenizer,
+    vocabulary and context length; bad input raises `InvalidArgumentError` naming the field."""
+    params = SamplingParams.from_dict(sampling_params)
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            raise InvalidArgumentError("token ids must be integers", field="prompt")
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise InvalidArgumentError(f"token ids must lie in [0, {vocab_size})", field="prompt")
+    if not ids:
+        raise InvalidArgumentError("the prompt is empty", field="prompt")
+    if len(ids) + params.max_new_tokens > max_context:
+        raise InvalidArgumentError(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+            f"the context length {max_context}",
+            field="prompt" if len(ids) >= max_context else "max_new_tokens",
+        )
+    return [int(t) for t in ids], params

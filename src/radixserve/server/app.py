@@ -93,6 +93,54 @@ def create_app(
     app = FastAPI(title="radixserve", lifespan=lifespan)
     app.state.worker, app.state.engine, app.state.metrics = worker, engine, metrics
 
+    def refusal() -> str | None:
+        if worker.accepting:
+            return None
+        if worker.failure is not None:
+            return "the engine has failed; the server is restarting"
+        return "the server is shutting down; try another replica"
+
+    add_guards(app, api_key, max_body_bytes, refusal)
+    add_openai_routes(app, engine, dispatcher, model_name, int(time.time()))
+    add_native_routes(app, dispatcher)
+
+    @app.get("/health")
+    async def health():
+        """200 while the engine serves; 503 when it is dead, stuck, or the server is draining."""
+        healthy, details = worker.health()
+        return JSONResponse(details, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        def flush(engine: Engine) -> int:
+            if engine.has_work() or engine.cache.protected_size():
+                raise BusyError("requests are running; the cache can be flushed only when idle")
+            freed = engine.cache.total_size()
+            engine.cache.reset()
+            return freed
+
+        try:
+            freed = await worker.call(flush)
+        except BusyError as exc:
+            raise APIError(409, str(exc)) from None
+        return {"flushed_tokens": freed}
+
+    return app
+
+
+def add_guards(
+    app: FastAPI,
+    api_key: str | None,
+    max_body_bytes: int,
+    refuse: Callable[[], str | None],
+) -> None:
+    """Request ids, the API key, the body size cap, 503 while `refuse()` gives a reason, and
+    every error (validation, routing, APIError, a bug) as an OpenAI-style body."""
+
     @app.middleware("http")
     async def guard(request: Request, call_next):
         request.state.request_id = rid = new_request_id()
@@ -107,10 +155,8 @@ def create_app(
             return error_response(
                 413, f"request body exceeds {max_body_bytes} bytes", headers=headers
             )
-        if request.method == "POST" and not worker.accepting:
-            message = "the server is shutting down; try another replica"
-            if worker.failure is not None:
-                message = "the engine has failed; the server is restarting"
+        message = refuse() if request.method == "POST" else None
+        if message is not None:
             return error_response(503, message, code="unavailable", headers=headers)
         response = await call_next(request)
         response.headers["x-request-id"] = rid
@@ -149,33 +195,3 @@ def create_app(
         log.exception("request %s failed", rid)
         message = f"internal error ({type(exc).__name__}); request id {rid}"
         return error_response(500, message, code="internal_error", headers={"x-request-id": rid})
-
-    add_openai_routes(app, engine, dispatcher, model_name, int(time.time()))
-    add_native_routes(app, dispatcher)
-
-    @app.get("/health")
-    async def health():
-        """200 while the engine serves; 503 when it is dead, stuck, or the server is draining."""
-        healthy, details = worker.health()
-        return JSONResponse(details, status_code=200 if healthy else 503)
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.post("/flush_cache")
-    async def flush_cache():
-        def flush(engine: Engine) -> int:
-            if engine.has_work() or engine.cache.protected_size():
-                raise BusyError("requests are running; the cache can be flushed only when idle")
-            freed = engine.cache.total_size()
-            engine.cache.reset()
-            return freed
-
-        try:
-            freed = await worker.call(flush)
-        except BusyError as exc:
-            raise APIError(409, str(exc)) from None
-        return {"flushed_tokens": freed}
-
-    return app

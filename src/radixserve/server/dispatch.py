@@ -10,6 +10,7 @@ still running is aborted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -68,17 +69,33 @@ class Dispatcher:
         """Validate and encode (prompt, sampling params) jobs off the event loop, compile any
         grammar they ask for (a bad one is a 400 naming `grammar_param`, else its own field),
         then submit them all or none (429 when the queue is full, 503 while shutting down)."""
-        request_id = request.state.request_id
+        parts = await self.prepare(request.state.request_id, jobs)
+        return await self.submit(parts, grammar_param, request)
 
-        def build() -> tuple[list[Part], list]:
-            parts, grammars = [], []
-            for k, (prompt, params) in enumerate(jobs):
-                ids, checked = self.engine.prepare_request(prompt, params)
-                parts.append(Part(ids, checked, f"{request_id}-{k}"))
-                grammars.append(self.engine.compile_grammar(checked))
-            return parts, grammars
+    async def prepare(
+        self, request_id: str, jobs: Sequence[tuple[str | list[int], dict]]
+    ) -> list[Part]:
+        """The jobs validated and encoded (a 400 naming the field for bad input)."""
 
-        parts, grammars = await self.off_thread(build)
+        def build() -> list[Part]:
+            return [
+                Part(*self.engine.prepare_request(prompt, params), f"{request_id}-{k}")
+                for k, (prompt, params) in enumerate(jobs)
+            ]
+
+        return await self.off_thread(build)
+
+    async def submit(
+        self,
+        parts: Sequence[Part],
+        grammar_param: str | None = None,
+        request: Request | None = None,
+    ) -> Group:
+        """Compile the parts' grammars, then queue them all or none. With `request`, a client
+        disconnect aborts the group."""
+        grammars = await self.off_thread(
+            lambda: [self.engine.compile_grammar(p.params) for p in parts]
+        )
         for compiled in {id(g): g for g in grammars if g is not None}.values():
             try:
                 await asyncio.wrap_future(compiled)
@@ -96,7 +113,13 @@ class Dispatcher:
             raise APIError(503, str(exc), code="engine_dead") from None
         except InvalidArgumentError as exc:
             raise invalid_argument(exc) from None
-        return Group(request, self.worker, [p.rid for p in parts], queues)
+        worker = self.worker
+        return Group(
+            request,
+            [p.rid for p in parts],
+            merged_batches(queues),
+            lambda rids, message: worker.abort(rids, message, "client"),
+        )
 
 
 def new_request_id() -> str:
@@ -104,12 +127,22 @@ def new_request_id() -> str:
 
 
 class Group:
-    """The engine requests of one HTTP request, followed to their ends."""
+    """The engine requests of one HTTP request, followed to their ends.
+
+    `batches` yields lists of (part index, item) as they come, an item being a `StreamChunk`
+    or the `EngineDeadError` that ends a part; `abort(rids, message)` stops parts early.
+    Where they run (this process's engine or a remote replica) is theirs to know.
+    """
 
     def __init__(
-        self, request: Request, worker: EngineWorker, rids: list[str], queues: list[asyncio.Queue]
+        self,
+        request: Request | None,
+        rids: list[str],
+        batches: AsyncIterator[list[tuple[int, object]]],
+        abort: Callable[[list[str], str], None],
     ) -> None:
-        self.request, self.worker, self.rids, self.queues = request, worker, rids, queues
+        self.request, self.rids, self.abort = request, rids, abort
+        self._batches = batches
         self.finished: set[str] = set()
 
     def unfinished(self) -> list[str]:
@@ -117,71 +150,90 @@ class Group:
 
     async def results(self) -> list[GenerateResult]:
         """Every part's result, in order; the first failure raises its APIError."""
-        async with self._watching():
-            return [check_result(await self._final(q)) for q in self.queues]
+        finals: list = [None] * len(self.rids)
+        async for k, chunk in self.chunks():
+            if chunk.finished:
+                finals[k] = chunk.result
+        return finals
 
     async def chunks(self) -> AsyncIterator[tuple[int, StreamChunk]]:
-        """(part index, chunk) as the engine produces them, until every part has finished."""
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(k: int, q: asyncio.Queue) -> None:
-            while True:
-                item = await q.get()
-                await merged.put((k, item))
-                if not isinstance(item, StreamChunk) or item.finished:
-                    return
-
-        async with self._watching():
-            tasks = [asyncio.create_task(pump(k, q)) for k, q in enumerate(self.queues)]
-            try:
-                done = 0
-                while done < len(self.queues):
-                    k, item = await merged.get()
+        """(part index, chunk) as the engine produces them, until every part has finished;
+        a part that failed raises its APIError."""
+        async with contextlib.aclosing(self.batches()) as batches:
+            async for batch in batches:
+                for k, item in batch:
                     chunk = _unwrap(item)
                     if chunk.finished:
-                        done += 1
-                        self.finished.add(chunk.rid)
                         check_result(chunk.result)
                     yield k, chunk
-            finally:
-                for task in tasks:
-                    task.cancel()
 
-    async def _final(self, q: asyncio.Queue) -> GenerateResult:
+    async def batches(self) -> AsyncIterator[list[tuple[int, object]]]:
+        """The raw batches, until every part has finished or one item is an error. Leaving
+        early (or a client disconnect) aborts the parts still running."""
+        async with _DisconnectWatch(self):
+            async for batch in self._batches:
+                for _, item in batch:
+                    if isinstance(item, StreamChunk) and item.finished:
+                        self.finished.add(item.rid)
+                yield batch
+                if not self.unfinished() or any(
+                    not isinstance(item, StreamChunk) for _, item in batch
+                ):
+                    return
+
+
+async def merged_batches(queues: Sequence[asyncio.Queue]) -> AsyncIterator[list]:
+    """What the engine thread delivers on each part's queue, merged into lists of (part
+    index, item) of everything ready at once; ends when each part has had its last item."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, q: asyncio.Queue) -> None:
         while True:
-            chunk = _unwrap(await q.get())
-            if chunk.finished:
-                self.finished.add(chunk.rid)
-                return chunk.result
+            item = await q.get()
+            await merged.put((k, item))
+            if not isinstance(item, StreamChunk) or item.finished:
+                return
 
-    def _watching(self):
-        return _DisconnectWatch(self)
+    tasks = [asyncio.create_task(pump(k, q)) for k, q in enumerate(queues)]
+    try:
+        left = len(queues)
+        while left:
+            batch = [await merged.get()]
+            while not merged.empty():
+                batch.append(merged.get_nowait())
+            left -= sum(not isinstance(i, StreamChunk) or i.finished for _, i in batch)
+            yield batch
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class _DisconnectWatch:
-    """While inside: a client disconnect aborts the group at once. On the way out, anything
-    of the group still running is aborted (a no-op for parts that finished)."""
+    """While inside: a client disconnect (when there is a client) aborts the group at once.
+    On the way out, anything of the group still running is aborted (a no-op for parts that
+    finished)."""
 
     def __init__(self, group: Group) -> None:
         self.group = group
         self.task: asyncio.Task | None = None
 
     async def __aenter__(self) -> None:
-        self.task = asyncio.create_task(self._watch())
+        if self.group.request is not None:
+            self.task = asyncio.create_task(self._watch())
 
     async def __aexit__(self, *exc_info) -> None:
         if self.task is not None:
             self.task.cancel()
         unfinished = self.group.unfinished()
         if unfinished:
-            self.group.worker.abort(unfinished, "the request ended early", "client")
+            self.group.abort(unfinished, "the request ended early")
 
     async def _watch(self) -> None:
         receive = self.group.request.receive
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                self.group.worker.abort(self.group.rids, "the client disconnected", "client")
+                self.group.abort(self.group.rids, "the client disconnected")
                 return
 
 
