@@ -52,6 +52,16 @@ def test_cache_aware_follows_prefixes_until_the_load_is_imbalanced():
     assert policy.choose(prompt(1, 2, 3), skewed) != first
 
 
+def test_cache_aware_forgets_a_restarted_replica():
+    policy = make_routing_policy("cache_aware", 2)
+    home = policy.choose(prompt(1, 2), [IDLE] * 2)
+    policy.choose(prompt(7, 8), [IDLE] * 2)  # the other replica's tree is no longer empty
+    assert policy.choose(prompt(1, 2, 3), [IDLE] * 2) == home
+    policy.forget(home)  # it restarted with an empty cache: nothing draws the prefix there
+    assert policy.choose(prompt(1, 2, 3), [IDLE] * 2) == home  # the smallest tree now
+    assert policy.choose(prompt(7, 8, 9), [IDLE] * 2) == 1 - home
+
+
 def _tree_events(cache: RadixCache):
     return cache.take_events()
 

@@ -120,12 +120,10 @@ def test_streams_pass_through_and_a_dead_backend_is_routed_around(cluster):
 
 def test_a_backend_whose_events_stop_has_its_pages_forgotten(caplog):
     from radixserve.cache import RadixCache, TokenToKVPoolAllocator
-    from radixserve.router.app import Router
+    from radixserve.router.state import Router
 
     now = [0.0]
-    router = Router(
-        ["http://a", "http://b"], "precise", None, events_timeout=10, clock=lambda: now[0]
-    )
+    router = Router(["http://a", "http://b"], "precise", events_timeout=10, clock=lambda: now[0])
     cache = RadixCache(TokenToKVPoolAllocator(100), enable_kv_events=True)
     prompt = list(range(1, 41))
     cache.insert(np.array(prompt, dtype=np.int32), cache.allocator.alloc(40))
@@ -194,3 +192,22 @@ def test_a_slow_backend_loses_its_affinity_to_load(cluster):
     engine.step = real_step
     for b in backends:
         b.idle_check()
+
+
+def test_a_replaced_backend_starts_with_nothing():
+    """A restarted replica takes its predecessor's slot: no load, no pages, not down."""
+    from radixserve.cache import RadixCache, TokenToKVPoolAllocator
+    from radixserve.router.state import Router
+
+    router = Router(["a", "b"], "precise")
+    cache = RadixCache(TokenToKVPoolAllocator(100), enable_kv_events=True)
+    prompt = list(range(1, 41))
+    cache.insert(np.array(prompt, dtype=np.int32), cache.allocator.alloc(40))
+    router.on_events(0, cache.take_events())
+    router.start(0, 40)
+    router.mark_down(0)
+    assert router.order(prompt, None)[-1] == 0  # down: tried last
+    router.replace(0, "a2")
+    assert router.backends[0].url == "a2" and not router.backends[0].in_flight
+    assert router.policy.cached_tokens(RouteRequest(prompt))[0] == 0
+    assert router.order([7, 8], None) == [0, 1]

@@ -22,14 +22,13 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.model.tokenizer import TextTokenizer
-from radixserve.sched.routing import Precise, ReplicaLoad, RouteRequest, make_routing_policy
+from radixserve.router.state import Router, follow_events
 from radixserve.server.errors import error_response
 
 log = logging.getLogger(__name__)
@@ -37,121 +36,28 @@ log = logging.getLogger(__name__)
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
 
 
-@dataclass
-class _Backend:
-    url: str
-    in_flight: dict[int, tuple[float, int]] = field(default_factory=dict)  # id -> (t0, tokens)
-    down_until: float = 0.0
-    routed: int = 0
-    last_events: float = 0.0  # when its last KV event batch arrived
-    events_expired: bool = False
-
-    def load(self, now: float) -> ReplicaLoad:
-        tokens = sum(t for _, t in self.in_flight.values())
-        oldest = min((t0 for t0, _ in self.in_flight.values()), default=now)
-        return ReplicaLoad(len(self.in_flight), tokens, 0, now - oldest)
-
-
-class Router:
-    """The routing state shared by the HTTP handlers and the event threads."""
-
-    def __init__(
-        self,
-        backends: Sequence[str],
-        policy: str,
-        tokenizer: TextTokenizer,
-        page_size: int = 1,
-        retry_after: float = 5.0,
-        events_timeout: float = 10.0,
-        clock=time.monotonic,
-    ) -> None:
-        self.clock = clock
-        self.backends = [_Backend(url.rstrip("/"), last_events=clock()) for url in backends]
-        self.policy = make_routing_policy(policy, len(self.backends), page_size=page_size)
-        self.tokenizer = tokenizer
-        self.retry_after = retry_after
-        self.events_timeout = events_timeout
-        self.lock = threading.Lock()
-        self._ids = 0
-
-    def prompt_ids(self, path: str, body: dict) -> list[int]:
-        """The token ids the backend will see for `body` (empty when unknown)."""
-        try:
-            if path == "/v1/chat/completions":
-                if body.get("tools"):
-                    return []
-                messages = [
-                    {"role": m.get("role"), "content": _text(m.get("content"))}
-                    for m in body.get("messages") or []
-                ]
-                text = self.tokenizer.apply_chat_template(messages)
-                return self.tokenizer.encode(text, add_special_tokens=False)
-            prompt = body.get("input_ids") if path == "/generate" else body.get("prompt")
-            if path == "/generate" and prompt is None:
-                prompt = body.get("text")
-            if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt)
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return prompt
-        except (ValueError, TypeError, AttributeError):
-            pass
-        return []
-
-    def order(self, ids: list[int], session: str | None) -> list[int]:
-        """Backends to try, the policy's choice first, then the rest by load; down ones last."""
-        now = self.clock()
-        with self.lock:
-            self._expire_silent(now)
-            loads = [b.load(now) for b in self.backends]
-            first = self.policy.choose(RouteRequest(ids, session=session), loads)
-        rest = sorted(
-            (i for i in range(len(self.backends)) if i != first),
-            key=lambda i: (loads[i].queued_requests, i),
-        )
-        up = [i for i in [first, *rest] if self.backends[i].down_until <= now]
-        return up + [i for i in [first, *rest] if i not in up]
-
-    def start(self, k: int, tokens: int) -> int:
-        with self.lock:
-            self._ids += 1
-            self.backends[k].in_flight[self._ids] = (self.clock(), tokens)
-            self.backends[k].routed += 1
-            return self._ids
-
-    def end(self, k: int, request_id: int) -> None:
-        with self.lock:
-            self.backends[k].in_flight.pop(request_id, None)
-
-    def mark_down(self, k: int) -> None:
-        with self.lock:
-            self.backends[k].down_until = self.clock() + self.retry_after
-            if isinstance(self.policy, Precise):
-                self.policy.forget(k)
-
-    def on_events(self, k: int, events) -> None:
-        """Backend k's next event batch (an empty one is a heartbeat)."""
-        with self.lock:
-            backend = self.backends[k]
-            backend.last_events = self.clock()
-            if backend.events_expired:
-                backend.events_expired = False
-                log.info("backend %d (%s): KV events resumed", k, backend.url)
-            self.policy.on_events(k, events)
-
-    def _expire_silent(self, now: float) -> None:
-        if not isinstance(self.policy, Precise):
-            return
-        for k, backend in enumerate(self.backends):
-            silent = now - backend.last_events
-            if silent > self.events_timeout and not backend.events_expired:
-                backend.events_expired = True
-                self.policy.forget(k)
-                log.warning(
-                    "backend %d (%s): no KV events for %.0f s; its pages are forgotten",
-                    k,
-                    backend.url,
-                    silent,
-                )
+def prompt_ids(tokenizer: TextTokenizer, path: str, body: dict) -> list[int]:
+    """The token ids the backend will see for `body` (empty when unknown)."""
+    try:
+        if path == "/v1/chat/completions":
+            if body.get("tools"):
+                return []
+            messages = [
+                {"role": m.get("role"), "content": _text(m.get("content"))}
+                for m in body.get("messages") or []
+            ]
+            text = tokenizer.apply_chat_template(messages)
+            return tokenizer.encode(text, add_special_tokens=False)
+        prompt = body.get("input_ids") if path == "/generate" else body.get("prompt")
+        if path == "/generate" and prompt is None:
+            prompt = body.get("text")
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+    except (ValueError, TypeError, AttributeError):
+        pass
+    return []
 
 
 def _text(content) -> str:
@@ -170,13 +76,13 @@ def create_router_app(
     events_timeout: float = 10.0,
 ) -> FastAPI:
     """A FastAPI app routing the serving API over `backends` (their base URLs)."""
-    router = Router(backends, policy, tokenizer, page_size, events_timeout=events_timeout)
+    router = Router(backends, policy, page_size, events_timeout=events_timeout)
     if kv_event_endpoints and len(kv_event_endpoints) != len(backends):
         raise ValueError("give one KV events endpoint per backend")
     client = httpx.AsyncClient(timeout=timeout)
     stop = threading.Event()
     threads = [
-        threading.Thread(target=_follow_events, args=(router, k, ep, stop), daemon=True)
+        threading.Thread(target=follow_events, args=(router, k, ep, stop), daemon=True)
         for k, ep in enumerate(kv_event_endpoints or [])
     ]
 
@@ -198,7 +104,7 @@ def create_router_app(
             body = None
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
-        ids = await asyncio.to_thread(router.prompt_ids, path, body)
+        ids = await asyncio.to_thread(prompt_ids, tokenizer, path, body)
         session = request.headers.get("x-session-id") or body.get("user")
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization",)}
         headers["content-type"] = "application/json"
@@ -264,27 +170,3 @@ def _relay(upstream: httpx.Response, done) -> Response:
     return StreamingResponse(
         body(), status_code=upstream.status_code, media_type=media, headers=keep
     )
-
-
-def _follow_events(router: Router, k: int, endpoint: str, stop: threading.Event) -> None:
-    """Feed backend k's published KV events to the policy until `stop`."""
-    import zmq
-
-    from radixserve.server.kv_events import decode_batch, from_wire
-
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
-    try:
-        while not stop.is_set():
-            if not sub.poll(100):
-                continue
-            frames = sub.recv_multipart()
-            try:
-                batch = decode_batch(frames[-1])
-            except Exception:  # a malformed batch must not end the subscription
-                log.warning("backend %d: undecodable KV event batch", k)
-                continue
-            router.on_events(k, [from_wire(e) for e in batch.events])
-    finally:
-        sub.close(linger=0)

@@ -107,6 +107,9 @@ class RoutingPolicy:
     def on_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
         """KV events a replica published, in order."""
 
+    def forget(self, replica: int) -> None:
+        """Drop what `replica` was thought to hold (it died, restarted or went silent)."""
+
     def page_hashes(self, request: RouteRequest) -> list[bytes]:
         """The chained digests of the prompt's whole pages, as the replicas' trees name them."""
         return hash_pages(request.input_ids, self.page_size, request.extra_key)
@@ -180,6 +183,9 @@ class CacheAware(RoutingPolicy):
         hashes = self._hashes if self._hashes else self.page_hashes(request)
         self._hashes = []
         _remember(self._trees[replica], hashes, self.max_tree_pages)
+
+    def forget(self, replica: int) -> None:
+        self._trees[replica].clear()
 
 
 class Precise(RoutingPolicy):

@@ -118,7 +118,8 @@ class KVEventPublisher:
     """Ships event batches from any thread; a thread of its own owns the sockets.
 
     `publish(events)` never blocks. The last `buffer_batches` batches stay available for
-    replay. `close()` stops the thread and the sockets.
+    replay. `close()` stops the thread and the sockets. An endpoint may leave the port to the
+    system (`tcp://HOST:*`); `endpoint` then names the one bound.
     """
 
     def __init__(
@@ -162,8 +163,10 @@ class KVEventPublisher:
         replay = context.socket(zmq.ROUTER) if self.replay_endpoint else None
         try:
             pub.bind(self.endpoint)
+            self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)  # resolves a "*" port
             if replay is not None:
                 replay.bind(self.replay_endpoint)
+                self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             self._error = ValueError(f"cannot bind the KV events socket: {exc}")
             self._ready.set()
