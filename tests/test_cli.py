@@ -112,3 +112,19 @@ def test_replay_on_replicas_prints_every_router_and_writes_the_sweep(tmp_path, c
     with pytest.raises(SystemExit) as exc:
         main([*args, "--replicas", "2", "--router", "nearest"])
     assert exc.value.code == 2
+
+
+def test_serve_replicas_refuses_a_single_server_events_endpoint(capsys):
+    pytest.importorskip("ray.serve", reason="needs the ray extra")
+    argv = ["serve", "--replicas", "2", "--kv-events-endpoint", "tcp://127.0.0.1:5999"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "each replica publishes" in capsys.readouterr().err
+
+
+def test_serve_replicas_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--replicas", "0"])
+    assert exit_info.value.code == 2
+    assert "--replicas: must be >= 1" in capsys.readouterr().err

@@ -469,8 +469,70 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_options(args: argparse.Namespace) -> dict:
+    """`EngineConfig` fields from `radixserve serve`'s flags."""
+    return {
+        "model": args.model,
+        "enable_radix_cache": not args.disable_radix_cache,
+        "page_size": args.page_size,
+        "eviction_policy": args.eviction_policy,
+        "schedule_policy": args.schedule_policy,
+        "kv_cache_tokens": args.kv_cache_tokens,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "enable_mixed_chunk": args.enable_mixed_chunk,
+        "enable_jump_forward": args.enable_jump_forward,
+        "enable_kv_events": args.kv_events_endpoint is not None,
+        "max_running_requests": args.max_running_requests,
+        "dtype": args.dtype,
+        "weight_format": args.weight_format,
+        "device": args.device,
+        "threads": args.threads,
+        "compile": args.compile,
+    }
+
+
+def cmd_serve_replicas(args: argparse.Namespace) -> int:
+    """`serve --replicas N`: N engines on Ray Serve behind one OpenAI-compatible ingress,
+    routed by --router, until SIGINT/SIGTERM."""
+    try:
+        from radixserve.router.ray_serve import build_app, run_cluster
+    except ImportError as exc:
+        raise InvalidArgumentError(
+            f"--replicas runs on Ray Serve, which is not installed ({exc}); "
+            "install it with: pip install 'radixserve[ray]'"
+        ) from None
+    if args.kv_events_endpoint is not None:
+        raise InvalidArgumentError(
+            "--kv-events-endpoint is for one server; with --replicas each replica publishes "
+            "its KV events on a port of its own node"
+        )
+    options = _engine_options(args)
+    app = build_app(
+        options,
+        args.replicas,
+        args.router,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        request_timeout=args.request_timeout,
+        watchdog=args.watchdog or None,
+        replica_cpus=args.replica_cpus if args.replica_cpus is not None else args.threads or 1,
+    )
+    where = args.ray_address or "a local Ray cluster"
+    return run_cluster(
+        app,
+        args.host,
+        args.port,
+        args.ray_address,
+        f"radixserve ready on http://{args.host}:{args.port} ({args.replicas} replicas on "
+        f"{where}, router {args.router})",
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until a signal (exit 0 after draining) or an engine failure (exit 1)."""
+    if args.replicas is not None:
+        return cmd_serve_replicas(args)
     import asyncio
     import signal
 
@@ -504,24 +566,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from radixserve.model.grammar import xgrammar_available
     from radixserve.server.app import create_app
 
-    engine = Engine(
-        args.model,
-        enable_radix_cache=not args.disable_radix_cache,
-        page_size=args.page_size,
-        eviction_policy=args.eviction_policy,
-        schedule_policy=args.schedule_policy,
-        kv_cache_tokens=args.kv_cache_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        enable_mixed_chunk=args.enable_mixed_chunk,
-        enable_jump_forward=args.enable_jump_forward,
-        enable_kv_events=args.kv_events_endpoint is not None,
-        max_running_requests=args.max_running_requests,
-        dtype=args.dtype,
-        weight_format=args.weight_format,
-        device=args.device,
-        threads=args.threads,
-        compile=args.compile,
-    )
+    engine = Engine(**_engine_options(args))
     if xgrammar_available():  # build the grammar compiler now, not on the first request
         threading.Thread(target=engine.grammar_backend, daemon=True).start()
     else:
@@ -587,6 +632,16 @@ def _positive_seconds(text: str) -> float:
 
 def _non_negative_seconds(text: str) -> float:
     return _seconds(text, allow_zero=True)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -766,6 +821,31 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_seconds,
         default=60.0,
         help="/health turns 503 when the engine makes no progress for this long (0: off)",
+    )
+    sv.add_argument(
+        "--replicas",
+        type=_positive_int,
+        default=None,
+        help="run this many engine replicas on Ray Serve behind one ingress (needs the ray "
+        "extra); without --ray-address, on an in-process local Ray cluster",
+    )
+    sv.add_argument(
+        "--router",
+        default="precise",
+        choices=("round_robin", "pow2", "cache_aware", "precise"),
+        help="with --replicas: the routing policy (default precise: by the replicas' KV events)",
+    )
+    sv.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --replicas: join this Ray cluster (auto, or HOST:PORT of its head) instead "
+        "of starting one",
+    )
+    sv.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=None,
+        help="with --replicas: CPUs Ray reserves per replica (default --threads, else 1)",
     )
     sv.set_defaults(func=cmd_serve)
 
