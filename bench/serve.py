@@ -156,6 +156,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt, max_tokens: i
     start = time.perf_counter()
     first = None
     tokens = chunks = 0
+    usage: dict = {}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -167,7 +168,8 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt, max_tokens: i
                 if first is None:
                     first = time.perf_counter()
             if item.get("usage"):
-                tokens = item["usage"]["completion_tokens"]
+                usage = item["usage"]
+                tokens = usage["completion_tokens"]
     end = time.perf_counter()
     first = first or end
     tokens = tokens or chunks  # a server that sends no usage streams one token per chunk
@@ -176,6 +178,8 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt, max_tokens: i
         "e2e": end - start,
         "tokens": tokens,
         "tpot": (end - first) / max(1, tokens - 1),
+        "prompt": usage.get("prompt_tokens", 0),
+        "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
     }
 
 
@@ -198,6 +202,7 @@ async def run_rate(url: str, prompts, rate: float, max_tokens: int, seed: int) -
         "ttft99": pct("ttft", 99),
         "tpot50": pct("tpot", 50),
         "tpot99": pct("tpot", 99),
+        "usage_hit": sum(r["cached"] for r in results) / max(1, sum(r["prompt"] for r in results)),
     }
 
 

@@ -15,7 +15,8 @@ The application (`build_app`) has two deployments:
 `RadixRequestRouter`, a Serve `RequestRouter` chosen through `RequestRouterConfig`, picks the
 replica. It reads the prompt's token ids from the call's first argument (a `RouteKey`), and
 ranks replicas with the policy over its own in-flight accounting (`router.state.Router`, as
-the HTTP router does) and the replicas' KV events, which threads of its own follow over ZMQ.
+the HTTP router does), the running counts the replicas report in their routing stats, and
+the replicas' KV events, which threads of its own follow over ZMQ.
 It never blocks: no `ray.get`, no remote call. A replica that dies has its pages forgotten at
 once, and the replica Serve starts in its place takes its slot with nothing carried over. A
 request whose replica dies before it starts is sent to another; one whose replica dies while
@@ -100,8 +101,9 @@ class EngineReplica:
         self.worker.start()
         self.dispatcher = Dispatcher(engine, self.worker)
 
-    def describe(self) -> dict:
-        """What the ingress needs to validate requests as this engine would."""
+    def describe(self, key: RouteKey | None = None) -> dict:
+        """What the ingress needs to validate requests as this engine would. (`key` is
+        ignored: it gives routers that read every call's first argument one to read.)"""
         engine = self.engine
         return {
             "model_name": engine.model_name,
@@ -198,9 +200,10 @@ class RadixRequestRouter(RequestRouter):
         return [*ranked, extra] if extra else ranked
 
     def _account(self, pending_request: PendingRequest, slot: int, tokens: int) -> None:
-        """Count the request as in flight on its first choice until Serve says it completed.
-        (Serve reports where a request went only under strict max_ongoing_requests, and
-        replicas here accept everything, so the first choice is where it goes.)"""
+        """Count the request as in flight on its first choice until Serve says it completed,
+        from the moment of choosing, so that choices made while it is being sent see it.
+        Replicas accept up to `max_queued_requests`, so the first choice is where it goes;
+        a request chosen again (a retry) moves."""
         internal_id = pending_request.metadata.internal_request_id
         earlier = self._requests.pop(internal_id, None)
         if earlier is not None:  # chosen again (a retry): it is no longer there
@@ -217,8 +220,9 @@ class RadixRequestRouter(RequestRouter):
         self._release(replica_id)
 
     def _sync_slots(self) -> None:
-        """Give each new replica a free slot; free the slots of replicas that are gone; follow
-        the KV events of each slotted replica once it has named its endpoint."""
+        """Give each new replica a free slot; free the slots of replicas that are gone; take
+        each replica's reported running count; follow the KV events of each slotted replica
+        once it has named its endpoint."""
         live = self.curr_replicas
         for replica_id in [r for r in self._slots if r not in live]:
             self._release(replica_id)
@@ -230,6 +234,8 @@ class RadixRequestRouter(RequestRouter):
                 slot = self._slots[replica_id] = free.pop(0)
                 self.state.replace(slot, replica_id.unique_id)
                 log.info("replica %s takes routing slot %d", replica_id.unique_id, slot)
+            if slot is not None:
+                self.state.report(slot, (replica.routing_stats or {}).get("running", 0))
             endpoint = (replica.replica_metadata or {}).get("kv_events_endpoint")
             if slot is not None and endpoint and slot not in self._followers:
                 stop = self._followers[slot] = threading.Event()
@@ -363,7 +369,8 @@ class Ingress:
         from radixserve.server.native import add_native_routes
         from radixserve.server.openai_api import add_openai_routes
 
-        info = await self.replicas.describe.remote()
+        # A non-empty prompt: Ray's PrefixCacheAffinityRouter divides by its length.
+        info = await self.replicas.describe.remote(RouteKey([], prompt="describe"))
         tokenizer = await asyncio.to_thread(load_tokenizer, self.model)
         frontend = _Frontend(tokenizer, info["vocab_size"], info["max_context"])
         model_name = self.served_model_name or info["model_name"]
@@ -465,7 +472,7 @@ def run_cluster(
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-        _wait_running(ready_timeout)
+        wait_running(ready_timeout)
         print(announce, flush=True)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -479,7 +486,8 @@ def run_cluster(
         ray.shutdown()
 
 
-def _wait_running(timeout: float) -> None:
+def wait_running(timeout: float) -> None:
+    """Return once the application runs; raise if it failed to deploy or took `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = serve.status().applications.get(APP_NAME)

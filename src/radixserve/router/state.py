@@ -22,11 +22,15 @@ class Backend:
     routed: int = 0
     last_events: float = 0.0  # when its last KV event batch arrived
     events_expired: bool = False
+    reported_running: int = 0  # requests the backend last said it was decoding
 
     def load(self, now: float) -> ReplicaLoad:
+        """Its in-flight requests, of which as many as it last reported running count as
+        running (the rest as queued), their prompt tokens, and the oldest one's wait."""
         tokens = sum(t for _, t in self.in_flight.values())
         oldest = min((t0 for t0, _ in self.in_flight.values()), default=now)
-        return ReplicaLoad(len(self.in_flight), tokens, 0, now - oldest)
+        running = min(self.reported_running, len(self.in_flight))
+        return ReplicaLoad(len(self.in_flight) - running, tokens, running, now - oldest)
 
 
 class Router:
@@ -86,6 +90,11 @@ class Router:
         with self.lock:
             self.backends[k].down_until = self.clock() + self.retry_after
             self.policy.forget(k)
+
+    def report(self, k: int, running: int) -> None:
+        """Backend k says it is running this many requests (its own, possibly stale, count)."""
+        with self.lock:
+            self.backends[k].reported_running = max(0, int(running))
 
     def replace(self, k: int, name: str) -> None:
         """Slot k now holds a new backend (a restarted replica): nothing of the old one's
