@@ -19,7 +19,7 @@ pytest.importorskip("zmq", reason="precise routing follows KV events (events ext
 import ray
 from ray import serve
 
-from radixserve.router.ray_serve import APP_NAME, _wait_running, build_app
+from radixserve.router.ray_serve import APP_NAME, build_app, wait_running
 
 SHARED = " ".join(f"t{i % 90 + 3}" for i in range(120))
 
@@ -39,7 +39,7 @@ def cluster(tiny_model_dir):
             route_prefix="/",
             blocking=False,
         )
-        _wait_running(180)
+        wait_running(180)
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
