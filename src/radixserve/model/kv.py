@@ -35,5 +35,25 @@ class KVPool:
         self.k.index_copy_(1, slots, k)
         self.v.index_copy_(1, slots, v)
 
+    def export(self, slots) -> bytes:
+        """Every layer's K and V at `slots`, as bytes (`load` takes them back)."""
+        index = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)
+        kv = torch.stack([self.k.index_select(1, index), self.v.index_select(1, index)])
+        return kv.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+    def load(self, slots, payload: bytes) -> None:
+        """Write what `export` returned for as many slots into `slots`."""
+        index = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)
+        layers, _, heads, dim = self.k.shape
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype)
+        kv = flat.view(2, layers, len(index), heads, dim).to(self.k.device)
+        self.k.index_copy_(1, index, kv[0])
+        self.v.index_copy_(1, index, kv[1])
+
+    def page_bytes(self, tokens: int) -> int:
+        """Bytes `export` makes of `tokens` slots."""
+        layers, _, heads, dim = self.k.shape
+        return 2 * layers * tokens * heads * dim * self.k.element_size()
+
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
