@@ -488,6 +488,11 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "device": args.device,
         "threads": args.threads,
         "compile": args.compile,
+        "hicache_storage": args.hicache_storage,
+        "hicache_page_size": args.hicache_page_size,
+        "hicache_storage_size_gb": args.hicache_storage_size,
+        "hicache_prefetch": args.hicache_prefetch,
+        "hicache_prefetch_timeout": args.hicache_prefetch_timeout,
     }
 
 
@@ -822,6 +827,32 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="/health turns 503 when the engine makes no progress for this long (0: off)",
     )
+    sv.add_argument(
+        "--hicache-storage",
+        default=None,
+        help="keep KV pages in persistent storage too, and load prompts' prefixes back from "
+        "it: file:DIR (survives restarts) or redis://HOST:PORT (shared; the redis extra)",
+    )
+    sv.add_argument(
+        "--hicache-page-size",
+        type=_positive_int,
+        default=64,
+        help="tokens per storage page (a multiple of --page-size; default 64)",
+    )
+    sv.add_argument(
+        "--hicache-storage-size",
+        type=float,
+        default=None,
+        help="GB a file: store may take; the least recently used pages go first",
+    )
+    sv.add_argument(
+        "--hicache-prefetch",
+        default="timeout",
+        choices=("best_effort", "wait_complete", "timeout"),
+        help="how long a request waits in the queue for its prefix to load: not at all, until "
+        "it has loaded, or up to --hicache-prefetch-timeout (default)",
+    )
+    sv.add_argument("--hicache-prefetch-timeout", type=_non_negative_seconds, default=2.0)
     sv.add_argument(
         "--replicas",
         type=_positive_int,

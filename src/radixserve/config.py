@@ -35,6 +35,11 @@ class EngineConfig:
     max_context: int | None = None
     decode_attention: str = "auto"
     compile: bool = False
+    hicache_storage: str | None = None
+    hicache_page_size: int = 64
+    hicache_storage_size_gb: float | None = None
+    hicache_prefetch: str = "timeout"
+    hicache_prefetch_timeout: float = 2.0
     scheduler_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -60,6 +65,28 @@ class EngineConfig:
             raise InvalidArgumentError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InvalidArgumentError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if not isinstance(self.hicache_page_size, int) or self.hicache_page_size < 1:
+            raise InvalidArgumentError(
+                f"hicache_page_size must be an integer >= 1, got {self.hicache_page_size!r}"
+            )
+        if self.hicache_page_size % self.page_size:
+            raise InvalidArgumentError(
+                f"hicache_page_size ({self.hicache_page_size}) must be a multiple of page_size "
+                f"({self.page_size})"
+            )
+        if self.hicache_storage_size_gb is not None and not self.hicache_storage_size_gb > 0:
+            raise InvalidArgumentError(
+                f"hicache_storage_size_gb must be > 0, got {self.hicache_storage_size_gb!r}"
+            )
+        if self.hicache_prefetch not in ("best_effort", "wait_complete", "timeout"):
+            raise InvalidArgumentError(
+                "hicache_prefetch must be best_effort, wait_complete or timeout, got "
+                f"{self.hicache_prefetch!r}"
+            )
+        if not self.hicache_prefetch_timeout >= 0:
+            raise InvalidArgumentError(
+                f"hicache_prefetch_timeout must be >= 0 s, got {self.hicache_prefetch_timeout!r}"
+            )
         if self.decode_attention not in ("auto", "sdpa", "matmul"):
             raise InvalidArgumentError(
                 f"decode_attention must be auto, sdpa or matmul, got {self.decode_attention!r}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -24,13 +25,15 @@ import torch
 
 from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
 from radixserve.cache.radix import RadixCache
+from radixserve.cache.storage import StorageIdentity, open_storage
+from radixserve.cache.tiers import PrefetchCostModel, StorageIO, StorageTier
 from radixserve.config import EngineConfig
 from radixserve.errors import EngineError, InvalidArgumentError
 from radixserve.model.attention import AttentionMetadata, make_attention_backend
 from radixserve.model.compiled import CompiledDecode, warm_up_batch_sizes
 from radixserve.model.grammar import GrammarBackend, GrammarSpec
 from radixserve.model.kv import KVPool
-from radixserve.model.loader import load_model
+from radixserve.model.loader import load_model, model_identity
 from radixserve.model.sampling import SampleOutput, SamplingState, sample
 from radixserve.model.tokenizer import IncrementalDetokenizer
 from radixserve.sched.request import FinishReason, Req, SamplingParams, prepare_request
@@ -137,6 +140,7 @@ class Engine:
             self.dtype,
             self.device,
         )
+        self.storage_io = self._open_storage(loaded.source) if config.hicache_storage else None
         self.attention = make_attention_backend("torch", decode=config.decode_attention)
         self.compiled_decode = self._compile_decode() if config.compile else None
         self._live: dict[str, _Live] = {}
@@ -148,6 +152,8 @@ class Engine:
         self._grammar: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()
         self._compiling: dict[str, Future] = {}  # requests whose grammar is being compiled
+        # requests waiting for their prefix to load from storage -> their grammar, if any
+        self._loading: dict[str, Future | None] = {}
         self._ended: list[Req] = []  # requests that ended before reaching the scheduler
         log.info(
             "model %s (%s, %.1fM parameters, %d layers, context %d) on %s in %s",
@@ -172,6 +178,32 @@ class Engine:
             sched_config.chunked_prefill_size,
             config.max_running_requests,
         )
+
+    def _open_storage(self, source: str) -> StorageIO:
+        """The storage tier `hicache_storage` names, for this model's KV layout."""
+        config, mc = self.config, self.model.config
+        identity = StorageIdentity(
+            model=f"{model_identity(source)}:{self.weight_format}",
+            dtype=str(self.dtype).removeprefix("torch."),
+            layout=f"llama layers={mc.num_hidden_layers} kv_heads={mc.num_key_value_heads} "
+            f"head_dim={mc.head_dim} k,v",
+            page_size=config.hicache_page_size,
+        )
+        cap = config.hicache_storage_size_gb
+        options = (
+            {"max_bytes": int(cap * 2**30)} if cap and "://" not in config.hicache_storage else {}
+        )
+        storage = open_storage(config.hicache_storage, identity, **options)
+        tier = StorageTier(self.cache, storage, self.kv, config.hicache_page_size)
+        cost = PrefetchCostModel(self.kv.page_bytes(1))
+        log.info(
+            "KV storage %s: pages of %d tokens (%.1f MiB), prefetch %s",
+            config.hicache_storage,
+            config.hicache_page_size,
+            self.kv.page_bytes(config.hicache_page_size) / 2**20,
+            config.hicache_prefetch,
+        )
+        return StorageIO(tier, cost, config.hicache_prefetch, config.hicache_prefetch_timeout)
 
     def _compile_decode(self) -> CompiledDecode | None:
         """The compiled decode path, warmed for every batch-size class; None (eager) when
@@ -228,12 +260,19 @@ class Engine:
         )
         compiled = self.compile_grammar(params)
         self._live[rid] = _Live(req, state, IncrementalDetokenizer(self.tokenizer, params.stop))
+        if self.storage_io is not None and self.storage_io.begin(rid, req.input_ids, extra_key):
+            self._loading[rid] = compiled
+        else:
+            self._enqueue(rid, compiled)
+        return rid
+
+    def _enqueue(self, rid: str, compiled: Future | None) -> None:
+        """To the scheduler, or to wait for its grammar."""
         if compiled is None:
-            self.scheduler.add_request(req)
+            self.scheduler.add_request(self._live[rid].req)
         else:
             self._compiling[rid] = compiled
             self._admit_compiled()
-        return rid
 
     def compile_grammar(self, params: SamplingParams) -> Future | None:
         """A future of the compiled grammar `params` asks for (None when it asks for none).
@@ -286,7 +325,11 @@ class Engine:
 
         The final chunk comes out of the next `step()`. False if it is not running.
         """
-        if self._compiling.pop(rid, None) is not None:
+        waiting = rid in self._loading
+        if waiting:
+            self.storage_io.cancel(rid)
+            self._loading.pop(rid)
+        if self._compiling.pop(rid, None) is not None or waiting:
             live = self._live[rid]
             live.req.finish_reason = FinishReason("abort", message=message, cause=cause)
             self._ended.append(live.req)
@@ -295,7 +338,7 @@ class Engine:
 
     def request_ids(self) -> list[str]:
         """The ids of every request queued (its grammar compiling included) or running."""
-        return [*self._compiling, *self.scheduler.request_ids()]
+        return [*self._loading, *self._compiling, *self.scheduler.request_ids()]
 
     def has_work(self) -> bool:
         """True while a request is queued or running, or an ended one awaits its final chunk."""
@@ -303,6 +346,7 @@ class Engine:
             self.scheduler.has_work()
             or self.scheduler.has_finished()
             or self._compiling
+            or self._loading
             or self._ended
         )
 
@@ -319,6 +363,12 @@ class Engine:
         the scheduler itself fails, the exception propagates and `recover()` is the way back.
         """
         chunks: dict[str, StreamChunk] = {}
+        if self.storage_io is not None:
+            if self._loading and not self.scheduler.has_work() and not self._compiling:
+                self.storage_io.wait(0.01)  # nothing else to do: wait a little, not spin
+            for rid in self.storage_io.ready():
+                if rid in self._loading:
+                    self._enqueue(rid, self._loading.pop(rid))
         if self._compiling:
             if not self.scheduler.has_work():  # nothing else to do: wait a little, not spin
                 wait_futures(list(self._compiling.values()), 0.01, FIRST_COMPLETED)
@@ -327,7 +377,12 @@ class Engine:
         if batch is not None:
             self._sampling_started = False
             try:
+                started = time.perf_counter()
                 tokens = self._forward(batch)
+                if self.storage_io is not None and batch.mode is ForwardMode.EXTEND:
+                    prefilled = sum(len(e.token_ids) for e in batch.entries if not e.is_decode)
+                    seconds = time.perf_counter() - started
+                    self.storage_io.cost.observe_prefill(prefilled, seconds)
                 self.scheduler.process_batch_result(batch, tokens)
                 for entry in batch.entries:
                     if entry.sample:
@@ -451,6 +506,13 @@ class Engine:
         live = self._live.pop(req.rid, None)
         if live is None:
             return
+        storage_tokens = 0
+        if self.storage_io is not None:
+            if req.rid in self._loading:
+                del self._loading[req.rid]
+                self.storage_io.cancel(req.rid)
+            storage_tokens = self.storage_io.loaded.pop(req.rid, 0)
+            self.storage_io.write(req.token_ids(), req.extra_key)  # what the tree holds of it
         self._push_new_tokens(req, live, chunks)
         chunk = chunks[req.rid]
         chunk.text += live.detok.flush()
@@ -473,6 +535,7 @@ class Engine:
                 if req.first_token_time is None
                 else req.first_token_time - req.queued_time,
                 "e2e": (req.finish_time or req.queued_time) - req.queued_time,
+                "storage_tokens": storage_tokens,
             },
         )
 

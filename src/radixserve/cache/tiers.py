@@ -163,3 +163,188 @@ class StorageTier:
         stored = self.storage.set(plan.hashes, plan.payloads)
         self.stored_tokens += stored * self.page_size
         return stored
+
+
+PREFETCH_MODES = ("best_effort", "wait_complete", "timeout")
+
+
+class PrefetchCostModel:
+    """Whether reading a prefix from storage beats recomputing it, from measured rates.
+
+    Loading n tokens costs `latency + n * bytes_per_token / read_bytes_per_s`; recomputing
+    them costs `n / prefill_tokens_per_s`. Both rates are running averages of what the engine
+    observes (or fixed when configured); until both are known, loading is tried. A refused
+    load is still tried once in `probe_every`, so a storage that got faster is noticed.
+    """
+
+    def __init__(
+        self,
+        bytes_per_token: int,
+        read_bytes_per_s: float | None = None,
+        prefill_tokens_per_s: float | None = None,
+        latency: float = 0.002,
+        probe_every: int = 32,
+    ) -> None:
+        self.bytes_per_token = bytes_per_token
+        self.read_bytes_per_s = read_bytes_per_s
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self._fixed_read = read_bytes_per_s is not None
+        self._fixed_prefill = prefill_tokens_per_s is not None
+        self.latency = latency
+        self.probe_every = probe_every
+        self._refused = 0
+
+    def worth(self, tokens: int) -> bool:
+        if self.read_bytes_per_s is None or self.prefill_tokens_per_s is None:
+            return True
+        load = self.latency + tokens * self.bytes_per_token / self.read_bytes_per_s
+        if load < tokens / self.prefill_tokens_per_s:
+            return True
+        self._refused += 1
+        return self._refused % self.probe_every == 0
+
+    def observe_read(self, nbytes: int, seconds: float) -> None:
+        if not self._fixed_read and nbytes > 0 and seconds > 0:
+            self.read_bytes_per_s = _ema(self.read_bytes_per_s, nbytes / seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if not self._fixed_prefill and tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_s = _ema(self.prefill_tokens_per_s, tokens / seconds)
+
+
+def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+@dataclass
+class _Pending:
+    plan: LoadPlan
+    future: object  # concurrent.futures.Future of the fetched payloads
+    deadline: float | None  # when the request stops waiting (None: it waits for the read)
+    waiting: bool = True
+
+
+class StorageIO:
+    """Runs a `StorageTier`'s reads and writes on threads of their own, for one engine.
+
+    `begin(rid, key)` starts reading what storage holds past the tree's prefix and says
+    whether the request should wait for it (`prefetch` mode `wait_complete`: until the read
+    ends; `timeout`: at most `timeout` seconds; `best_effort`: not at all, the pages help
+    whoever comes later). `ready()`, on the engine thread, puts finished reads into the tree
+    and returns the requests that may now be scheduled. `write(key)` copies a prefix's new
+    pages out now and stores them in the background. Every method but `wait` is for the
+    engine thread.
+    """
+
+    def __init__(
+        self,
+        tier: StorageTier,
+        cost: PrefetchCostModel,
+        prefetch: str = "timeout",
+        timeout: float = 2.0,
+        threads: int = 2,
+        clock=None,
+    ) -> None:
+        import time
+        from concurrent.futures import ThreadPoolExecutor
+
+        if prefetch not in PREFETCH_MODES:
+            raise InvalidArgumentError(
+                f"hicache_prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}",
+                field="hicache_prefetch",
+            )
+        self.tier, self.cost, self.prefetch, self.timeout = tier, cost, prefetch, timeout
+        self.clock = clock or time.monotonic
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="radixserve-kv-storage")
+        self._pending: dict[str, _Pending] = {}
+        self._orphans: list[_Pending] = []  # reads whose request stopped waiting
+        self._writes: set = set()
+        self.loaded: dict[str, int] = {}  # rid -> tokens its read put into the tree
+
+    def begin(self, rid: str, key: Sequence[int], extra_key: Hashable | None = None) -> bool:
+        plan = self.tier.plan_load(key, extra_key)
+        if plan is None:
+            return False
+        tokens = (len(plan.hashes) - plan.first) * self.tier.page_size
+        if not self.cost.worth(tokens):
+            return False
+        future = self._pool.submit(self._timed_fetch, plan)
+        waits = self.prefetch != "best_effort"
+        deadline = self.clock() + self.timeout if self.prefetch == "timeout" else None
+        self._pending[rid] = _Pending(plan, future, deadline, waits)
+        return waits
+
+    def _timed_fetch(self, plan: LoadPlan) -> list[bytes]:
+        import time
+
+        start = time.perf_counter()
+        payloads = self.tier.fetch(plan)
+        self.cost.observe_read(sum(len(p) for p in payloads), time.perf_counter() - start)
+        return payloads
+
+    def waiting(self) -> list[str]:
+        return [rid for rid, p in self._pending.items() if p.waiting]
+
+    def ready(self) -> list[str]:
+        """Admit finished reads; return the waiting requests that may now be scheduled."""
+        now = self.clock()
+        released = []
+        for p in [p for p in self._orphans if p.future.done()]:
+            self._orphans.remove(p)
+            self._admit(p)
+        for rid, p in list(self._pending.items()):
+            if p.future.done():
+                del self._pending[rid]
+                self.loaded[rid] = self._admit(p)
+                if p.waiting:
+                    released.append(rid)
+            elif p.deadline is not None and now >= p.deadline:
+                del self._pending[rid]
+                self._orphans.append(p)
+                released.append(rid)
+            elif not p.waiting:  # best effort: the request is already scheduled
+                del self._pending[rid]
+                self._orphans.append(p)
+        return released
+
+    def _admit(self, p: _Pending) -> int:
+        try:
+            payloads = p.future.result()
+        except Exception as exc:  # a backend bug must not take the engine down
+            self.tier.storage.stats.warn_once("fetch", "KV storage read failed: %r", exc)
+            return 0
+        return self.tier.admit(p.plan, payloads)
+
+    def cancel(self, rid: str) -> bool:
+        """Stop waiting for `rid`'s read (its pages still go into the tree when they come)."""
+        p = self._pending.pop(rid, None)
+        if p is None:
+            return False
+        self._orphans.append(p)
+        return p.waiting
+
+    def wait(self, timeout: float) -> None:
+        """Block up to `timeout` seconds for any read to finish (any thread)."""
+        from concurrent.futures import FIRST_COMPLETED
+        from concurrent.futures import wait as wait_futures
+
+        futures = [p.future for p in self._pending.values()]
+        if futures:
+            wait_futures(futures, timeout, FIRST_COMPLETED)
+
+    def write(self, key: Sequence[int], extra_key: Hashable | None = None) -> None:
+        plan = self.tier.plan_store(key, extra_key)
+        if plan.hashes:
+            future = self._pool.submit(self.tier.store, plan)
+            self._writes.add(future)
+            future.add_done_callback(self._writes.discard)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the writes started so far have ended (any thread)."""
+        from concurrent.futures import wait as wait_futures
+
+        wait_futures(list(self._writes), timeout)
+
+    def close(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        self.tier.storage.close()

@@ -6,6 +6,7 @@ which padded reads may touch and nothing else writes meaningfully.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -37,13 +38,13 @@ class KVPool:
 
     def export(self, slots) -> bytes:
         """Every layer's K and V at `slots`, as bytes (`load` takes them back)."""
-        index = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)
+        index = _index(slots, self.k.device)
         kv = torch.stack([self.k.index_select(1, index), self.v.index_select(1, index)])
         return kv.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
     def load(self, slots, payload: bytes) -> None:
         """Write what `export` returned for as many slots into `slots`."""
-        index = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)
+        index = _index(slots, self.k.device)
         layers, _, heads, dim = self.k.shape
         flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype)
         kv = flat.view(2, layers, len(index), heads, dim).to(self.k.device)
@@ -57,3 +58,7 @@ class KVPool:
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+
+def _index(slots, device) -> torch.Tensor:
+    return torch.from_numpy(np.array(slots, dtype=np.int64)).to(device)

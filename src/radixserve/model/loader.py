@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -151,6 +152,26 @@ def load_model(
     del weights
     _return_freed_memory()
     return LoadedModel(built, tokenizer, name, str(path), context, choice, layer_formats)
+
+
+def model_identity(source: str | Path) -> str:
+    """A digest naming a model's weights: the names and sizes of its files and their first
+    and last MiB. Cheap for any model size; a re-quantized or re-exported file differs."""
+    path = Path(source)
+    files = (
+        sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json", ".gguf"))
+        if path.is_dir()
+        else [path]
+    )
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(2**20))
+            f.seek(max(0, size - 2**20))
+            digest.update(f.read(2**20))
+    return digest.hexdigest()
 
 
 def _return_freed_memory() -> None:

@@ -1,0 +1,96 @@
+"""The engine with a storage tier (`hicache_storage`): a prefix computed before a restart is
+loaded back, not recomputed, and the answer is the same; other models and tenants never load
+it; a request waiting for its pages can be aborted; nothing leaks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from model_helpers import make_engine, tiny_checkpoint
+
+from radixserve.errors import InvalidArgumentError
+
+PROMPT = [3 + (7 * i) % 80 for i in range(70)]  # 4 storage pages of 16, and 6 tokens
+
+
+def run(engine, prompt=PROMPT, extra_key=None, max_new_tokens=6):
+    rid = engine.add_request(
+        prompt, {"max_new_tokens": max_new_tokens, "temperature": 0}, extra_key=extra_key
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for chunk in engine.step():
+            if chunk.rid == rid and chunk.finished:
+                engine.storage_io.flush(30)
+                return chunk.result
+    raise AssertionError("the request did not finish")
+
+
+def idle_check(engine) -> None:
+    assert not engine.has_work()
+    engine.check_invariants()
+    assert engine.cache.protected_size() == 0
+    assert engine.allocator.available_size() + engine.cache.total_size() == engine.allocator.size
+
+
+def storage_engine(model, tmp_path, **options):
+    return make_engine(
+        model, dtype="float64", hicache_storage=f"file:{tmp_path}", hicache_page_size=16, **options
+    )
+
+
+def test_a_prefix_survives_a_restart(llama_dir, tmp_path):
+    first = storage_engine(llama_dir, tmp_path)
+    before = run(first)
+    assert before.usage.cached_tokens == 0 and before.meta["storage_tokens"] == 0
+    idle_check(first)
+    restarted = storage_engine(llama_dir, tmp_path)
+    after = run(restarted)
+    assert after.meta["storage_tokens"] == 64  # the prompt's whole pages
+    assert after.usage.cached_tokens == 64
+    assert after.token_ids == before.token_ids
+    idle_check(restarted)
+    again = run(restarted)  # now on the device: nothing to load
+    assert again.meta["storage_tokens"] == 0 and again.usage.cached_tokens >= 64
+    idle_check(restarted)
+
+
+def test_other_tenants_and_models_do_not_load_it(llama_dir, tmp_path, tmp_path_factory):
+    run(storage_engine(llama_dir, tmp_path), extra_key="tenant-a")
+    other = storage_engine(llama_dir, tmp_path)
+    assert run(other, extra_key="tenant-b").meta["storage_tokens"] == 0
+    assert run(other, extra_key="tenant-a").meta["storage_tokens"] == 64
+    different = tiny_checkpoint(tmp_path_factory.mktemp("other"), "llama", seed=5)
+    assert (
+        run(storage_engine(different, tmp_path), extra_key="tenant-a").meta["storage_tokens"] == 0
+    )
+    idle_check(other)
+
+
+def test_best_effort_does_not_wait_and_an_aborted_wait_leaks_nothing(llama_dir, tmp_path):
+    run(storage_engine(llama_dir, tmp_path))
+    eager = storage_engine(llama_dir, tmp_path, hicache_prefetch="best_effort")
+    result = run(eager)
+    assert result.finish_reason == "length"
+    idle_check(eager)
+    waiting = storage_engine(llama_dir, tmp_path, hicache_prefetch="wait_complete")
+    rid = waiting.add_request(PROMPT, {"max_new_tokens": 4})
+    assert rid in waiting.request_ids()
+    assert waiting.abort(rid)
+    chunks = []
+    while waiting.has_work():
+        chunks += waiting.step()
+    [final] = [c for c in chunks if c.finished]
+    assert final.result.finish_reason == "abort"
+    waiting.storage_io.flush(30)
+    idle_check(waiting)
+
+
+def test_bad_storage_options_are_refused(llama_dir, tmp_path):
+    with pytest.raises(InvalidArgumentError, match="multiple of page_size"):
+        make_engine(llama_dir, page_size=4, hicache_storage=f"file:{tmp_path}", hicache_page_size=6)
+    with pytest.raises(InvalidArgumentError, match="hicache_prefetch"):
+        make_engine(llama_dir, hicache_storage=f"file:{tmp_path}", hicache_prefetch="eager")
+    with pytest.raises(InvalidArgumentError, match="unknown storage URI"):
+        make_engine(llama_dir, hicache_storage="s3://bucket")
