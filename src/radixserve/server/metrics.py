@@ -90,6 +90,31 @@ class _EngineState:
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        storage_io = getattr(worker.engine, "storage_io", None)
+        if storage_io is not None:
+            yield from _storage_families(storage_io)
+
+
+def _storage_families(storage_io):
+    """The storage tier's counters (plain ints the I/O threads bump; read as they stand)."""
+    stats = storage_io.tier.storage.stats
+    pages = CounterMetricFamily(
+        "radixserve_storage_pages", "KV storage pages by outcome.", labels=["outcome"]
+    )
+    for outcome in ("hits", "misses", "rejected", "stored", "evicted", "write_errors"):
+        pages.add_metric([outcome], getattr(stats, outcome))
+    yield pages
+    moved = CounterMetricFamily(
+        "radixserve_storage_bytes", "KV bytes read from and written to storage.", labels=["op"]
+    )
+    moved.add_metric(["read"], stats.bytes_read)
+    moved.add_metric(["write"], stats.bytes_written)
+    yield moved
+    yield CounterMetricFamily(
+        "radixserve_storage_loaded_tokens",
+        "Prompt tokens loaded from storage into the radix cache instead of computed.",
+        value=storage_io.tier.loaded_tokens,
+    )
 
 
 class ServerMetrics:
