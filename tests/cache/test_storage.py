@@ -149,6 +149,40 @@ def test_a_full_disk_keeps_serving(tmp_path, monkeypatch, caplog):
     assert "No space left on device" in caplog.text
 
 
+def test_a_writer_killed_mid_write_leaves_no_partial_page(tmp_path):
+    """kill -9 a process that writes pages as fast as it can: after a restart every page that
+    is visible reads back whole, and no temporary file is left."""
+    import signal
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import numpy as np
+        from radixserve.cache.hashing import hash_pages
+        from radixserve.cache.storage import StorageIdentity, open_storage
+        identity = StorageIdentity({MODEL.model!r}, {MODEL.dtype!r}, {MODEL.layout!r}, 4)
+        store = open_storage({f"file:{tmp_path}"!r}, identity)
+        payload = bytes(range(256)) * 1024  # 256 KiB pages: most of the time goes to writes
+        keys = hash_pages(np.arange(1, 4 * 4000 + 1), 4)
+        print("writing", flush=True)
+        for key in keys:
+            store.set([key], [payload])
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    store = _file(tmp_path)
+    keys = pages(4000)
+    visible = store.exists(keys)
+    assert visible > 0
+    assert len(store.get(keys)) == visible and store.stats.rejected == 0
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
 # -- Redis ------------------------------------------------------------------------------------
 
 
@@ -210,3 +244,16 @@ def test_redis_damage_and_an_unreachable_server(redis_url, caplog):
     assert gone.set(keys, values) == 0
     assert gone.exists(keys) == 0 and gone.get(keys) == []
     assert "unreachable" in caplog.text or "write failed" in caplog.text
+
+
+def test_a_redis_that_never_answers_costs_one_bounded_timeout():
+    pytest.importorskip("redis", reason="the redis client is not installed (redis extra)")
+    with socket.socket() as silent:  # accepts connections, never replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        store = open_storage(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", MODEL, timeout=0.3)
+        start = time.monotonic()
+        assert store.get(pages(2)) == []
+        assert store.set(pages(2), payloads(2)) == 0
+        assert time.monotonic() - start < 3
+        assert store.stats.read_errors == 1 and store.stats.write_errors == 1

@@ -94,3 +94,27 @@ def test_bad_storage_options_are_refused(llama_dir, tmp_path):
         make_engine(llama_dir, hicache_storage=f"file:{tmp_path}", hicache_prefetch="eager")
     with pytest.raises(InvalidArgumentError, match="unknown storage URI"):
         make_engine(llama_dir, hicache_storage="s3://bucket")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_outputs_with_storage_hits_equal_outputs_without_a_cache(llama_dir, tmp_path, page_size):
+    prompts = [PROMPT, [*PROMPT[:50], 9, 8, 7], PROMPT[:33]]
+    plain = make_engine(llama_dir, dtype="float64", enable_radix_cache=False)
+    expected = [run_plain(plain, p) for p in prompts]
+    writer = storage_engine(llama_dir, tmp_path, page_size=page_size)
+    run(writer)
+    reader = storage_engine(llama_dir, tmp_path, page_size=page_size)
+    results = [run(reader, p) for p in prompts]
+    assert [r.token_ids for r in results] == expected
+    assert results[0].meta["storage_tokens"] == 64
+    assert results[1].meta["storage_tokens"] == 0  # its pages are on the device by then
+    assert results[1].usage.cached_tokens >= 48
+    idle_check(reader)
+
+
+def run_plain(engine, prompt) -> list[int]:
+    rid = engine.add_request(prompt, {"max_new_tokens": 6, "temperature": 0})
+    while True:
+        for chunk in engine.step():
+            if chunk.rid == rid and chunk.finished:
+                return chunk.result.token_ids
