@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -144,3 +145,32 @@ def test_an_engine_that_dies_makes_the_server_exit_non_zero(tiny_model_dir):
         assert out.status_code == 503 and out.json()["error"]["code"] == "engine_dead"
         assert proc.wait(timeout=30) == 1
         assert "the engine failed" in proc.stderr.read()
+
+
+def test_a_prefix_survives_a_server_restart_through_file_storage(tmp_path):
+    """The issue's restart test: a 2,000-token prefix, the server stopped and started again
+    on the same --hicache-storage, a new question on that prefix is served from storage."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from model_helpers import tiny_checkpoint
+
+    model = tiny_checkpoint(tmp_path / "model", "llama", max_position_embeddings=4096)
+    flags = ("--hicache-storage", f"file:{tmp_path / 'kv'}", "--kv-cache-tokens", "8192")
+    prefix = [3 + (11 * i) % 90 for i in range(2000)]
+
+    def ask(url: str, question: list[int]) -> dict:
+        body = {"input_ids": prefix + question, "sampling_params": {"max_new_tokens": 2}}
+        reply = httpx.post(f"{url}/generate", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["meta_info"]
+
+    proc, url = _start_server(model, *flags)
+    with contextlib.closing(proc.stdout), _killed_at_exit(proc):
+        assert ask(url, [5, 6, 7])["cached_tokens"] == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0  # pending writes finish before the process exits
+    proc, url = _start_server(model, *flags)
+    with contextlib.closing(proc.stdout), _killed_at_exit(proc):
+        meta = ask(url, [8, 9])
+        assert meta["cached_tokens"] >= 1984 and meta["storage_cached_tokens"] >= 1984
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
