@@ -488,6 +488,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "device": args.device,
         "threads": args.threads,
         "compile": args.compile,
+        "hicache_size_gb": args.hicache_size,
+        "hicache_write_policy": args.hicache_write_policy,
+        "hicache_write_through_threshold": args.hicache_write_through_threshold,
         "hicache_storage": args.hicache_storage,
         "hicache_page_size": args.hicache_page_size,
         "hicache_storage_size_gb": args.hicache_storage_size,
@@ -827,6 +830,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="/health turns 503 when the engine makes no progress for this long (0: off)",
     )
+    sv.add_argument(
+        "--hicache-size",
+        type=float,
+        default=None,
+        help="GB of host memory for a second KV tier: prefixes evicted from the device pool "
+        "are loaded back from it instead of recomputed",
+    )
+    sv.add_argument(
+        "--hicache-write-policy",
+        default="write_through",
+        choices=("write_through", "write_through_selective", "write_back"),
+        help="when the host tier gets a prefix: as each request ends (default), once it was "
+        "offered --hicache-write-through-threshold times, or when the device evicts it",
+    )
+    sv.add_argument("--hicache-write-through-threshold", type=_positive_int, default=2)
     sv.add_argument(
         "--hicache-storage",
         default=None,

@@ -10,6 +10,7 @@ from radixserve.model.quant import WEIGHT_FORMATS
 from radixserve.sched.policy import make_schedule_policy
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class EngineConfig:
     max_context: int | None = None
     decode_attention: str = "auto"
     compile: bool = False
+    hicache_size_gb: float | None = None
+    hicache_write_policy: str = "write_through"
+    hicache_write_through_threshold: int = 2
     hicache_storage: str | None = None
     hicache_page_size: int = 64
     hicache_storage_size_gb: float | None = None
@@ -77,6 +81,21 @@ class EngineConfig:
         if self.hicache_storage_size_gb is not None and not self.hicache_storage_size_gb > 0:
             raise InvalidArgumentError(
                 f"hicache_storage_size_gb must be > 0, got {self.hicache_storage_size_gb!r}"
+            )
+        if self.hicache_size_gb is not None and not self.hicache_size_gb > 0:
+            raise InvalidArgumentError(f"hicache_size_gb must be > 0, got {self.hicache_size_gb!r}")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise InvalidArgumentError(
+                f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, got "
+                f"{self.hicache_write_policy!r}"
+            )
+        if (
+            not isinstance(self.hicache_write_through_threshold, int)
+            or self.hicache_write_through_threshold < 1
+        ):
+            raise InvalidArgumentError(
+                "hicache_write_through_threshold must be an integer >= 1, got "
+                f"{self.hicache_write_through_threshold!r}"
             )
         if self.hicache_prefetch not in ("best_effort", "wait_complete", "timeout"):
             raise InvalidArgumentError(

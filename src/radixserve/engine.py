@@ -26,6 +26,7 @@ import torch
 from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.storage import StorageIdentity, open_storage
+from radixserve.cache.storage.host import HostStorage
 from radixserve.cache.tiers import PrefetchCostModel, StorageIO, StorageTier
 from radixserve.config import EngineConfig
 from radixserve.errors import EngineError, InvalidArgumentError
@@ -93,6 +94,7 @@ class _Live:
     detok: IncrementalDetokenizer
     seen: int = 0
     logprobs: list[SampleOutput] = field(default_factory=list)
+    host_tokens: int = 0  # prompt tokens loaded from the host tier
 
 
 class Engine:
@@ -140,7 +142,10 @@ class Engine:
             self.dtype,
             self.device,
         )
-        self.storage_io = self._open_storage(loaded.source) if config.hicache_storage else None
+        tiered = config.hicache_storage or config.hicache_size_gb
+        identity = self._kv_identity(loaded.source) if tiered else None
+        self.host_tier = self._open_host_tier(identity) if config.hicache_size_gb else None
+        self.storage_io = self._open_storage(identity) if config.hicache_storage else None
         self.attention = make_attention_backend("torch", decode=config.decode_attention)
         self.compiled_decode = self._compile_decode() if config.compile else None
         self._live: dict[str, _Live] = {}
@@ -179,20 +184,39 @@ class Engine:
             config.max_running_requests,
         )
 
-    def _open_storage(self, source: str) -> StorageIO:
-        """The storage tier `hicache_storage` names, for this model's KV layout."""
-        config, mc = self.config, self.model.config
-        identity = StorageIdentity(
+    def _kv_identity(self, source: str) -> StorageIdentity:
+        """What this engine's KV pages are valid for (model, weights, dtype, layout, page)."""
+        mc = self.model.config
+        return StorageIdentity(
             model=f"{model_identity(source)}:{self.weight_format}",
             dtype=str(self.dtype).removeprefix("torch."),
             layout=f"llama layers={mc.num_hidden_layers} kv_heads={mc.num_key_value_heads} "
             f"head_dim={mc.head_dim} k,v",
-            page_size=config.hicache_page_size,
+            page_size=self.config.hicache_page_size,
         )
+
+    def _open_host_tier(self, identity: StorageIdentity) -> StorageTier:
+        """The host-memory tier of `hicache_size_gb`, written as `hicache_write_policy` says."""
+        config = self.config
+        host = HostStorage(identity, int(config.hicache_size_gb * 2**30))
+        tier = StorageTier(self.cache, host, self.kv, config.hicache_page_size)
+        if config.hicache_write_policy == "write_back":
+            self.cache.evict_listener = lambda node: tier.store(tier.plan_evicted(node))
+        log.info(
+            "KV host tier: %.2f GB (%d tokens), pages of %d tokens, %s",
+            config.hicache_size_gb,
+            host.max_bytes // self.kv.page_bytes(1),
+            config.hicache_page_size,
+            config.hicache_write_policy,
+        )
+        return tier
+
+    def _open_storage(self, identity: StorageIdentity) -> StorageIO:
+        """The storage tier `hicache_storage` names, for this model's KV layout."""
+        config = self.config
         cap = config.hicache_storage_size_gb
-        options = (
-            {"max_bytes": int(cap * 2**30)} if cap and "://" not in config.hicache_storage else {}
-        )
+        file_cap = cap and "://" not in config.hicache_storage
+        options = {"max_bytes": int(cap * 2**30)} if file_cap else {}
         storage = open_storage(config.hicache_storage, identity, **options)
         tier = StorageTier(self.cache, storage, self.kv, config.hicache_page_size)
         cost = PrefetchCostModel(self.kv.page_bytes(1))
@@ -259,7 +283,12 @@ class Engine:
             params, req.input_ids, self.device, int(self._seeds.integers(2**62))
         )
         compiled = self.compile_grammar(params)
-        self._live[rid] = _Live(req, state, IncrementalDetokenizer(self.tokenizer, params.stop))
+        live = _Live(req, state, IncrementalDetokenizer(self.tokenizer, params.stop))
+        self._live[rid] = live
+        if self.host_tier is not None:
+            plan = self.host_tier.plan_load(req.input_ids, extra_key)
+            if plan is not None:
+                live.host_tokens = self.host_tier.admit(plan, self.host_tier.fetch(plan))
         if self.storage_io is not None and self.storage_io.begin(rid, req.input_ids, extra_key):
             self._loading[rid] = compiled
         else:
@@ -507,6 +536,11 @@ class Engine:
         if live is None:
             return
         storage_tokens = 0
+        if self.host_tier is not None and self.config.hicache_write_policy != "write_back":
+            selective = self.config.hicache_write_policy == "write_through_selective"
+            hits = self.config.hicache_write_through_threshold if selective else 1
+            tier = self.host_tier
+            tier.store(tier.plan_store(req.token_ids(), req.extra_key, min_hits=hits))
         if self.storage_io is not None:
             if req.rid in self._loading:
                 del self._loading[req.rid]
@@ -536,6 +570,7 @@ class Engine:
                 else req.first_token_time - req.queued_time,
                 "e2e": (req.finish_time or req.queued_time) - req.queued_time,
                 "storage_tokens": storage_tokens,
+                "host_tokens": live.host_tokens,
             },
         )
 

@@ -118,3 +118,55 @@ def run_plain(engine, prompt) -> list[int]:
         for chunk in engine.step():
             if chunk.rid == rid and chunk.finished:
                 return chunk.result.token_ids
+
+
+def host_engine(model, policy, **options):
+    return make_engine(
+        model,
+        dtype="float64",
+        kv_cache_tokens=160,
+        hicache_size_gb=0.01,
+        hicache_page_size=16,
+        hicache_write_policy=policy,
+        **options,
+    )
+
+
+LONG = [3 + (7 * i) % 80 for i in range(100)]
+OTHERS = [[5 + (13 * i + k) % 80 for i in range(100)] for k in (1, 2)]
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_the_host_tier_brings_back_a_prefix_the_device_evicted(llama_dir, policy):
+    prompt = LONG
+    plain = make_engine(llama_dir, dtype="float64", enable_radix_cache=False)
+    expected = run_plain(plain, [*prompt, 11, 12])
+    engine = host_engine(llama_dir, policy)
+    runs = 2 if policy == "write_through_selective" else 1  # selective: the second offer
+    for _ in range(runs):
+        run_host(engine, prompt)
+    for other in OTHERS:  # these push the prefix out of the 160-token device pool
+        run_host(engine, other)
+    assert engine.cache.peek_prefix(prompt) < 16
+    result = run_host(engine, [*prompt, 11, 12])
+    assert result.meta["host_tokens"] == 96  # six whole 16-token pages
+    assert result.usage.cached_tokens >= 96
+    assert result.token_ids == expected
+    idle_check(engine)
+
+
+def test_selective_write_through_skips_prefixes_seen_once(llama_dir):
+    engine = host_engine(llama_dir, "write_through_selective")
+    run_host(engine, LONG)
+    for other in OTHERS:
+        run_host(engine, other)
+    assert run_host(engine, LONG).meta["host_tokens"] == 0
+    idle_check(engine)
+
+
+def run_host(engine, prompt):
+    rid = engine.add_request(prompt, {"max_new_tokens": 6, "temperature": 0})
+    while True:
+        for chunk in engine.step():
+            if chunk.rid == rid and chunk.finished:
+                return chunk.result

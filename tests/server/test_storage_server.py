@@ -44,3 +44,33 @@ def test_storage_tier_through_the_server(tiny_model_dir, tmp_path):
         second.idle_check()
     finally:
         second.stop()
+
+
+def test_host_tier_through_the_server(tiny_model_dir):
+    engine = Engine(
+        str(tiny_model_dir),
+        dtype="float64",
+        kv_cache_tokens=160,
+        hicache_size_gb=0.01,
+        hicache_page_size=16,
+        hicache_write_policy="write_back",
+    )
+    server = LiveServer(engine)
+    try:
+        prompts = [[3 + (k * 7 + 13 * i) % 80 for i in range(100)] for k in range(3)]
+
+        def generate(ids):
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3}}
+            reply = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+            assert reply.status_code == 200
+            return reply.json()["meta_info"]
+
+        for ids in prompts:  # the third pushes the first out of the 160-token device pool
+            generate(ids)
+        assert generate(prompts[0])["host_cached_tokens"] == 96
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert _counter(metrics, "radixserve_host_loaded_tokens_total") == 96
+        assert _counter(metrics, "radixserve_host_size_bytes") > 0
+        server.idle_check()
+    finally:
+        server.stop()

@@ -171,6 +171,9 @@ class RadixCache:
         self.enable_kv_events = bool(enable_kv_events)
         self._clock = clock
         self._page_bytes = page_size * TOKEN_BYTES
+        # Called with each node `evict` removes, while it and its path are still in the tree
+        # and its slots still hold its KV (a host tier's write-back).
+        self.evict_listener: Callable[[TreeNode], None] | None = None
         self._events: list[KVCacheEvent] = []
         self._counter = itertools.count()
         self._init_tree()
@@ -469,6 +472,8 @@ class RadixCache:
                 continue
             if on_evict is not None:
                 on_evict(node, key, now)
+            if self.evict_listener is not None:
+                self.evict_listener(node)
             node.heap_entry = None
             self._num_evictable_leaves -= 1
             parent = node.parent

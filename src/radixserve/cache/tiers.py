@@ -20,6 +20,7 @@ own `extra_key`.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -82,6 +83,7 @@ class StorageTier:
         self.min_pages = max(1, min_pages)
         self.loaded_tokens = 0
         self.stored_tokens = 0
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # page -> times offered to store
 
     def _pages(self, key: np.ndarray, extra_key: Hashable | None) -> list[bytes]:
         whole = len(key) - len(key) % self.page_size
@@ -138,14 +140,20 @@ class StorageTier:
         self.loaded_tokens += gained
         return gained
 
-    def plan_store(self, key: Sequence[int], extra_key: Hashable | None = None) -> StorePlan:
-        """Copy out the whole storage pages of `key` the tree holds and storage lacks."""
+    def plan_store(
+        self, key: Sequence[int], extra_key: Hashable | None = None, min_hits: int = 1
+    ) -> StorePlan:
+        """Copy out the whole storage pages of `key` the tree holds and storage lacks; with
+        `min_hits` > 1, only the leading pages offered that many times so far."""
         key = np.asarray(key, dtype=TOKEN_DTYPE)
         held = self.cache.peek_prefix(key, extra_key)
         pages = held // self.page_size
         if self.cache.disable or pages == 0:
             return StorePlan([], [])
         hashes = self._pages(key[: pages * self.page_size], extra_key)
+        if min_hits > 1:
+            pages = self._popular(hashes, min_hits)
+            hashes = hashes[:pages]
         present = self.storage.exists(hashes)
         if present == pages:
             return StorePlan([], [])
@@ -155,6 +163,44 @@ class StorageTier:
             self.copier.export(match.indices[k * p : (k + 1) * p]) for k in range(present, pages)
         ]
         return StorePlan(hashes[present:], payloads)
+
+    def _popular(self, hashes: list[bytes], min_hits: int) -> int:
+        """Count one more offer of each page; return how many leading pages reached
+        `min_hits` offers."""
+        seen, popular, leading = self._seen, 0, True
+        for h in hashes:
+            count = seen.pop(h, 0) + 1
+            seen[h] = count
+            leading = leading and count >= min_hits
+            popular += leading
+        while len(seen) > 1 << 20:
+            seen.popitem(last=False)
+        return popular
+
+    def plan_evicted(self, node) -> StorePlan:
+        """Copy out the storage pages that end inside `node`'s edge (a node `evict` is about
+        to remove; its path is still in the tree), those the store lacks."""
+        keys, values, edge = [], [], len(node.value)
+        while node.parent is not None:
+            keys.append(node.key)
+            values.append(node.value)
+            extra_key = node.extra_key
+            node = node.parent
+        p = self.page_size
+        end = sum(len(v) for v in values)
+        first, last = (end - edge) // p, end // p
+        if last <= first:
+            return StorePlan([], [])
+        key = np.frombuffer(b"".join(reversed(keys)), dtype=TOKEN_DTYPE)
+        hashes = hash_pages(key[: last * p], p, extra_key)[first:]
+        missing = [k for k, h in enumerate(hashes) if self.storage.exists([h]) == 0]
+        if not missing:
+            return StorePlan([], [])
+        slots = np.concatenate(values[::-1])
+        payloads = [
+            self.copier.export(slots[(first + k) * p : (first + k + 1) * p]) for k in missing
+        ]
+        return StorePlan([hashes[k] for k in missing], payloads)
 
     def store(self, plan: StorePlan) -> int:
         """Write the plan's pages (thread-safe as the backend is); return how many stored."""

@@ -90,31 +90,42 @@ class _EngineState:
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
-        storage_io = getattr(worker.engine, "storage_io", None)
-        if storage_io is not None:
-            yield from _storage_families(storage_io)
+        engine = worker.engine
+        tiers = [("host", getattr(engine, "host_tier", None))]
+        storage_io = getattr(engine, "storage_io", None)
+        tiers.append(("storage", storage_io.tier if storage_io is not None else None))
+        for name, tier in tiers:
+            if tier is not None:
+                yield from _tier_families(name, tier)
 
 
-def _storage_families(storage_io):
-    """The storage tier's counters (plain ints the I/O threads bump; read as they stand)."""
-    stats = storage_io.tier.storage.stats
+def _tier_families(name: str, tier):
+    """A KV tier's counters (plain ints its threads bump; read as they stand)."""
+    stats = tier.storage.stats
     pages = CounterMetricFamily(
-        "radixserve_storage_pages", "KV storage pages by outcome.", labels=["outcome"]
+        f"radixserve_{name}_pages", f"KV {name} tier pages by outcome.", labels=["outcome"]
     )
     for outcome in ("hits", "misses", "rejected", "stored", "evicted", "write_errors"):
         pages.add_metric([outcome], getattr(stats, outcome))
     yield pages
     moved = CounterMetricFamily(
-        "radixserve_storage_bytes", "KV bytes read from and written to storage.", labels=["op"]
+        f"radixserve_{name}_bytes",
+        f"KV bytes read from and written to the {name} tier.",
+        labels=["op"],
     )
     moved.add_metric(["read"], stats.bytes_read)
     moved.add_metric(["write"], stats.bytes_written)
     yield moved
     yield CounterMetricFamily(
-        "radixserve_storage_loaded_tokens",
-        "Prompt tokens loaded from storage into the radix cache instead of computed.",
-        value=storage_io.tier.loaded_tokens,
+        f"radixserve_{name}_loaded_tokens",
+        f"Prompt tokens loaded from the {name} tier into the radix cache instead of computed.",
+        value=tier.loaded_tokens,
     )
+    size = getattr(tier.storage, "size_bytes", None)
+    if size is not None:
+        yield GaugeMetricFamily(
+            f"radixserve_{name}_size_bytes", f"Bytes the {name} tier holds.", value=size()
+        )
 
 
 class ServerMetrics:

@@ -38,6 +38,7 @@ def _meta(result: GenerateResult) -> dict:
         "prompt_tokens": result.usage.prompt_tokens,
         "completion_tokens": result.usage.completion_tokens,
         "cached_tokens": result.usage.cached_tokens,
+        "host_cached_tokens": result.meta.get("host_tokens", 0),
         "storage_cached_tokens": result.meta.get("storage_tokens", 0),
         "finish_reason": result.finish_reason,
         "matched_stop": result.meta.get("matched_stop"),
