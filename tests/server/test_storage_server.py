@@ -42,6 +42,10 @@ def test_storage_tier_through_the_server(tiny_model_dir, tmp_path):
         metrics = httpx.get(f"{second.url}/metrics", timeout=10).text
         assert _counter(metrics, "radixserve_storage_loaded_tokens_total") == 32
         second.idle_check()
+        flushed = httpx.post(f"{second.url}/flush_cache", params={"scope": "storage"}).json()
+        assert flushed == {"flushed_storage_pages": 2}
+        assert not list(tmp_path.rglob("*.kv"))
+        assert second.engine.cache.total_size() > 0  # the device tier is another scope
     finally:
         second.stop()
 
@@ -72,5 +76,11 @@ def test_host_tier_through_the_server(tiny_model_dir):
         assert _counter(metrics, "radixserve_host_loaded_tokens_total") == 96
         assert _counter(metrics, "radixserve_host_size_bytes") > 0
         server.idle_check()
+        bad = httpx.post(f"{server.url}/flush_cache", params={"scope": "disk"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "scope"
+        flushed = httpx.post(f"{server.url}/flush_cache", params={"scope": "all"}).json()
+        assert flushed["flushed_host_pages"] > 0 and flushed["flushed_tokens"] > 0
+        assert "flushed_storage_pages" not in flushed  # this server has no storage tier
+        assert len(engine.host_tier.storage) == 0
     finally:
         server.stop()

@@ -115,19 +115,31 @@ def create_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/flush_cache")
-    async def flush_cache():
-        def flush(engine: Engine) -> int:
-            if engine.has_work() or engine.cache.protected_size():
-                raise BusyError("requests are running; the cache can be flushed only when idle")
-            freed = engine.cache.total_size()
-            engine.cache.reset()
-            return freed
+    async def flush_cache(scope: str = "device"):
+        """Empty the KV tiers `scope` names: device (the radix tree, the default), host,
+        storage (this model's pages only), or all."""
+        scopes = ("device", "host", "storage", "all")
+        if scope not in scopes:
+            raise APIError(400, f"scope must be one of {scopes}, got {scope!r}", "scope")
+
+        def flush(engine: Engine) -> dict:
+            flushed = {}
+            if scope in ("device", "all"):
+                if engine.has_work() or engine.cache.protected_size():
+                    raise BusyError("requests are running; the cache can be flushed only when idle")
+                flushed["flushed_tokens"] = engine.cache.total_size()
+                engine.cache.reset()
+            if scope in ("host", "all") and engine.host_tier is not None:
+                flushed["flushed_host_pages"] = engine.host_tier.storage.clear()
+            if scope in ("storage", "all") and engine.storage_io is not None:
+                engine.storage_io.flush(30)
+                flushed["flushed_storage_pages"] = engine.storage_io.tier.storage.clear()
+            return flushed
 
         try:
-            freed = await worker.call(flush)
+            return await worker.call(flush)
         except BusyError as exc:
             raise APIError(409, str(exc)) from None
-        return {"flushed_tokens": freed}
 
     return app
 
