@@ -128,3 +128,14 @@ def test_serve_replicas_must_be_positive(capsys):
         main(["serve", "--replicas", "0"])
     assert exit_info.value.code == 2
     assert "--replicas: must be >= 1" in capsys.readouterr().err
+
+
+def test_serve_replicas_without_ray_names_the_install_command(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    monkeypatch.delitem(sys.modules, "radixserve.router.ray_serve", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--replicas", "2"])
+    assert exit_info.value.code == 2
+    assert "pip install 'radixserve[ray]'" in capsys.readouterr().err
