@@ -489,6 +489,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "threads": args.threads,
         "compile": args.compile,
         "hicache_size_gb": args.hicache_size,
+        "hicache_host_dtype": args.hicache_host_dtype,
         "hicache_write_policy": args.hicache_write_policy,
         "hicache_write_through_threshold": args.hicache_write_through_threshold,
         "hicache_storage": args.hicache_storage,
@@ -836,6 +837,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="GB of host memory for a second KV tier: prefixes evicted from the device pool "
         "are loaded back from it instead of recomputed",
+    )
+    sv.add_argument(
+        "--hicache-host-dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16", "float64"),
+        help="keep host-tier pages in this dtype (e.g. bfloat16: twice the tokens per GB of a "
+        "float32 pool, rounded; default: the KV pool's own, exact)",
     )
     sv.add_argument(
         "--hicache-write-policy",

@@ -37,6 +37,7 @@ class EngineConfig:
     decode_attention: str = "auto"
     compile: bool = False
     hicache_size_gb: float | None = None
+    hicache_host_dtype: str | None = None
     hicache_write_policy: str = "write_through"
     hicache_write_through_threshold: int = 2
     hicache_storage: str | None = None
@@ -84,6 +85,10 @@ class EngineConfig:
             )
         if self.hicache_size_gb is not None and not self.hicache_size_gb > 0:
             raise InvalidArgumentError(f"hicache_size_gb must be > 0, got {self.hicache_size_gb!r}")
+        if self.hicache_host_dtype is not None and self.hicache_host_dtype not in DTYPES:
+            raise InvalidArgumentError(
+                f"hicache_host_dtype must be one of {DTYPES}, got {self.hicache_host_dtype!r}"
+            )
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
             raise InvalidArgumentError(
                 f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, got "

@@ -33,7 +33,7 @@ from radixserve.errors import EngineError, InvalidArgumentError
 from radixserve.model.attention import AttentionMetadata, make_attention_backend
 from radixserve.model.compiled import CompiledDecode, warm_up_batch_sizes
 from radixserve.model.grammar import GrammarBackend, GrammarSpec
-from radixserve.model.kv import KVPool
+from radixserve.model.kv import CastingCopier, KVPool
 from radixserve.model.loader import load_model, model_identity
 from radixserve.model.sampling import SampleOutput, SamplingState, sample
 from radixserve.model.tokenizer import IncrementalDetokenizer
@@ -199,13 +199,18 @@ class Engine:
         """The host-memory tier of `hicache_size_gb`, written as `hicache_write_policy` says."""
         config = self.config
         host = HostStorage(identity, int(config.hicache_size_gb * 2**30))
-        tier = StorageTier(self.cache, host, self.kv, config.hicache_page_size)
+        dtype = (
+            getattr(torch, config.hicache_host_dtype or "") if config.hicache_host_dtype else None
+        )
+        copier = self.kv if dtype in (None, self.dtype) else CastingCopier(self.kv, dtype)
+        tier = StorageTier(self.cache, host, copier, config.hicache_page_size)
         if config.hicache_write_policy == "write_back":
             self.cache.evict_listener = lambda node: tier.store(tier.plan_evicted(node))
         log.info(
-            "KV host tier: %.2f GB (%d tokens), pages of %d tokens, %s",
+            "KV host tier: %.2f GB (%d tokens in %s), pages of %d tokens, %s",
             config.hicache_size_gb,
-            host.max_bytes // self.kv.page_bytes(1),
+            host.max_bytes // self.kv.page_bytes(1, dtype),
+            str(dtype or self.dtype).removeprefix("torch."),
             config.hicache_page_size,
             config.hicache_write_policy,
         )

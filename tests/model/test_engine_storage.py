@@ -170,3 +170,16 @@ def run_host(engine, prompt):
         for chunk in engine.step():
             if chunk.rid == rid and chunk.finished:
                 return chunk.result
+
+
+def test_a_host_tier_in_a_smaller_dtype_holds_pages_at_half_the_bytes(llama_dir):
+    exact = host_engine(llama_dir, "write_through")
+    half = host_engine(llama_dir, "write_through", hicache_host_dtype="float32")  # of float64
+    for engine in (exact, half):
+        run_host(engine, LONG)
+        for other in OTHERS:
+            run_host(engine, other)
+    assert half.host_tier.storage.size_bytes() * 2 == exact.host_tier.storage.size_bytes()
+    result = run_host(half, [*LONG, 11, 12])
+    assert result.meta["host_tokens"] == 96 and result.finish_reason == "length"
+    idle_check(half)
