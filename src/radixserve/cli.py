@@ -271,7 +271,10 @@ def _load_spec(spec: dict):
 def _grid(args: argparse.Namespace, spec: dict, evictions, sizes) -> list[dict]:
     """The sweep's cells: every eviction x schedule x size, each naming its trace `spec`."""
     common = {"trace": spec, "page_size": args.page_size}
+    if args.host_cache and not args.cache_only:
+        raise InvalidArgumentError("--host-cache is modelled in --cache-only mode only")
     if args.cache_only:
+        common["host_cache"] = args.host_cache or 0
         return [
             {**common, "mode": "cache-only", "eviction": e, "size": [kind, size]}
             for e in evictions
@@ -330,6 +333,7 @@ def _sweep_cell(cell: dict) -> dict:
             page_size=cell["page_size"],
             unique=unique,
             progress=progress,
+            host_tokens=cell.get("host_cache", 0),
         )
         return result.as_dict()
     config = ReplayConfig(
@@ -689,6 +693,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-only",
         action="store_true",
         help="pure cache simulation in arrival order: no scheduler, queue or cost model",
+    )
+    rp.add_argument(
+        "--host-cache",
+        type=_positive_int,
+        default=None,
+        help="with --cache-only: a host tier of this many tokens (keys) behind the --cache pool, "
+        "written back as the pool evicts; its hits are reported apart",
     )
     rp.add_argument(
         "--keys",

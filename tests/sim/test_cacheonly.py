@@ -113,3 +113,35 @@ def test_the_cli_runs_a_mooncake_trace_by_blocks(tmp_path, capsys):
     assert (out / "cache_only.json").is_file()
     assert main([*argv, "--keys", "tokens", "--cache", "5%"]) == 0
     assert "unique tokens" in capsys.readouterr().out
+
+
+def test_a_host_tier_adds_hits_up_to_the_infinite_cache_bound():
+    from radixserve.sim.oracle import infinite_cache
+
+    trace = make_workload("multi-turn-random")
+    bound, _ = infinite_cache(trace, 1)
+    alone = simulate_cache(trace, "lru", kv_tokens=10_000)
+    rates = [
+        simulate_cache(trace, "lru", kv_tokens=10_000, host_tokens=h, check_invariants=True)
+        for h in (5_000, 20_000, 10**7)
+    ]
+    assert alone.host_hit_rate == 0
+    totals = [r.hit_rate for r in rates]
+    assert alone.hit_rate < totals[0] <= totals[1] <= totals[2]
+    assert all(r.host_hit_rate > 0 for r in rates)
+    assert totals[2] == pytest.approx(bound)  # nothing is ever lost: every reuse hits
+
+
+def test_a_host_tier_smaller_than_a_page_is_refused():
+    with pytest.raises(InvalidArgumentError, match="at least one page"):
+        simulate_cache(make_workload("multi-turn-random"), "lru", kv_tokens=10_000, host_tokens=8)
+
+
+def test_replay_reports_host_tier_hits_apart(capsys):
+    argv = ["replay", "workload:multi-turn-random", "--cache-only", "--cache", "10000"]
+    assert main([*argv, "--host-cache", "20000"]) == 0
+    out = capsys.readouterr().out
+    assert "| host tokens | device hit % | host hit % |" in out
+    assert "| 20,000 | 27.86 | 39.06 |" in out
+    with pytest.raises(SystemExit):
+        main(["replay", "workload:multi-turn-random", "--cache", "10000", "--host-cache", "20000"])

@@ -13,6 +13,12 @@ on the policy. Each request, in trace order:
 The cache is the server's `RadixCache` with the policy by name, so a policy is measured by the
 code that serves. `belady` is the offline oracle of `radixserve.sim.oracle`, reading the
 trace's future.
+
+With `host_tokens`, a host tier of that many tokens sits behind the device pool, run by the
+engine's own tier code (`cache.tiers.StorageTier` over a `HostStorage`, written back as the
+device evicts, loaded back before each request's match) with a copier that moves no KV. Its
+hits are counted apart: `host_hit_rate` of the prompt tokens came back from the host tier,
+and `hit_rate` counts both tiers.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ class CacheOnlyResult:
     evicted_tokens: int
     wall_seconds: float
     us_per_request: float
+    host_tokens: int = 0
+    host_hit_tokens: int = 0
+    host_hit_rate: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -64,12 +73,15 @@ def simulate_cache(
     unique: int | None = None,
     check_invariants: bool = False,
     progress: bool = False,
+    host_tokens: int = 0,
+    host_page_size: int | None = None,
 ) -> CacheOnlyResult:
     """Serve `trace` through a `RadixCache` alone, in arrival order, and count prompt hits.
 
     Give the capacity as `kv_tokens` or `cache_fraction` (percent of the trace's unique tokens;
     `unique` may pass a precomputed `unique_tokens(trace)`). With `check_invariants` the cache's
-    invariant check runs after every request.
+    invariant check runs after every request. `host_tokens` adds a host tier (see the module
+    doc) with pages of `host_page_size` (default: `page_size`, or 16 tokens at page size 1).
     """
     if not trace:
         raise InvalidArgumentError("the trace is empty")
@@ -83,10 +95,15 @@ def simulate_cache(
     now = [0.0]  # a logical clock: one tick per request, so runs are deterministic
     cache = RadixCache(allocator, page_size=page_size, eviction_policy=policy, clock=lambda: now[0])
     on_admit = policy.on_admit if isinstance(policy, BeladyPolicy) else None
-    hits = prompt_tokens = evicted = 0
+    host = _host_tier(cache, host_tokens, host_page_size or (16 if page_size == 1 else page_size))
+    hits = prompt_tokens = evicted = host_hits = 0
     started = time.perf_counter()
     for r in tqdm(trace, desc="cache-only", unit="req", disable=not progress, leave=False):
         now[0] += 1.0
+        if host is not None:
+            plan = host.plan_load(r.input_ids)
+            if plan is not None:
+                host_hits += host.admit(plan, host.fetch(plan))
         match = cache.match_prefix(r.input_ids)
         hits += match.prefix_len
         prompt_tokens += len(r.input_ids)
@@ -122,4 +139,35 @@ def simulate_cache(
         evicted_tokens=evicted,
         wall_seconds=wall,
         us_per_request=wall / len(trace) * 1e6,
+        host_tokens=host_tokens,
+        host_hit_tokens=host_hits,
+        host_hit_rate=host_hits / prompt_tokens if prompt_tokens else 0.0,
     )
+
+
+class _NoKV:
+    """A copier for the lab: a page's payload is one byte per token, and nothing moves."""
+
+    def export(self, slots) -> bytes:
+        return bytes(len(slots))
+
+    def load(self, slots, payload: bytes) -> None:
+        pass
+
+
+def _host_tier(cache: RadixCache, tokens: int, page: int):
+    if not tokens:
+        return None
+    if not isinstance(tokens, int) or tokens < page:
+        raise InvalidArgumentError(
+            f"the host tier needs at least one page ({page} tokens), got {tokens!r}",
+            field="host_cache",
+        )
+    from radixserve.cache.storage import StorageIdentity
+    from radixserve.cache.storage.host import HostStorage
+    from radixserve.cache.tiers import StorageTier
+
+    store = HostStorage(StorageIdentity("lab", "none", "none", page), max_bytes=tokens)
+    tier = StorageTier(cache, store, _NoKV(), page)
+    cache.evict_listener = lambda node: tier.store(tier.plan_evicted(node))
+    return tier

@@ -46,15 +46,24 @@ def markdown_table(
 
 def cache_only_table(results: Sequence, unit: str, infinite_bound: float | None = None) -> str:
     """One row per pure cache simulation (`CacheOnlyResult`); hit rates are over `unit`."""
-    lines = [
-        f"| eviction | cache {unit} | cache % | hit rate % | evicted | µs/req |",
-        "|---|---|---|---|---|---|",
-    ]
+    host = any(getattr(r, "host_tokens", 0) for r in results)
+    head = f"| eviction | cache {unit} | cache % | hit rate % | evicted | µs/req |"
+    rule = "|---|---|---|---|---|---|"
+    if host:
+        head += f" host {unit} | device hit % | host hit % |"
+        rule += "---|---|---|"
+    lines = [head, rule]
     for r in results:
-        lines.append(
+        line = (
             f"| {r.eviction_policy} | {r.kv_tokens:,} | {100 * r.cache_fraction:.2f} | "
             f"{100 * r.hit_rate:.2f} | {r.evicted_tokens:,} | {r.us_per_request:.1f} |"
         )
+        if host:
+            line += (
+                f" {r.host_tokens:,} | {100 * (r.hit_rate - r.host_hit_rate):.2f} | "
+                f"{100 * r.host_hit_rate:.2f} |"
+            )
+        lines.append(line)
     if infinite_bound is not None:
         lines.append(f"\nInfinite-cache bound: {100 * infinite_bound:.2f}% hit rate.")
     return "\n".join(lines)
