@@ -33,6 +33,7 @@ def test_storage_tier_through_the_server(tiny_model_dir, tmp_path):
         metrics = httpx.get(f"{first.url}/metrics", timeout=10).text
         assert _counter(metrics, 'radixserve_storage_pages_total{outcome="stored"}') == 2
         assert _counter(metrics, 'radixserve_storage_bytes_total{op="write"}') > 0
+        assert _counter(metrics, "radixserve_storage_backup_seconds_count") >= 1
     finally:
         first.stop()
     second = LiveServer(Engine(str(tiny_model_dir), **options))
@@ -41,6 +42,8 @@ def test_storage_tier_through_the_server(tiny_model_dir, tmp_path):
         assert meta["storage_cached_tokens"] == 32 and meta["cached_tokens"] == 32
         metrics = httpx.get(f"{second.url}/metrics", timeout=10).text
         assert _counter(metrics, "radixserve_storage_loaded_tokens_total") == 32
+        assert _counter(metrics, "radixserve_storage_load_seconds_count") == 1
+        assert _counter(metrics, 'radixserve_storage_load_seconds_bucket{le="+Inf"}') == 1
         second.idle_check()
         flushed = httpx.post(f"{second.url}/flush_cache", params={"scope": "storage"}).json()
         assert flushed == {"flushed_storage_pages": 2}

@@ -20,6 +20,8 @@ own `extra_key`.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -31,6 +33,34 @@ from radixserve.cache.hashing import TOKEN_DTYPE, hash_pages
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.storage import StorageBackend
 from radixserve.errors import InvalidArgumentError
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+
+
+class LatencyHistogram:
+    """Cumulative counts of observed seconds per upper bound, their sum and count (what a
+    Prometheus histogram exposes); thread-safe."""
+
+    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * len(self.buckets)
+        self.sum = 0.0
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            self.sum += seconds
+            self.count += 1
+            for k, bound in enumerate(self.buckets):
+                if seconds <= bound:
+                    self.counts[k] += 1
+
+    def snapshot(self) -> tuple[list[tuple[str, int]], float]:
+        """([(upper bound, cumulative count), ... ("+Inf", count)], sum)."""
+        with self._lock:
+            rows = [(repr(float(b)), c) for b, c in zip(self.buckets, self.counts, strict=True)]
+            return [*rows, ("+Inf", self.count)], self.sum
 
 
 class KVCopier(Protocol):
@@ -83,6 +113,8 @@ class StorageTier:
         self.min_pages = max(1, min_pages)
         self.loaded_tokens = 0
         self.stored_tokens = 0
+        self.load_latency = LatencyHistogram()  # reading pages (fetch), then admitting them
+        self.backup_latency = LatencyHistogram()  # writing pages (store)
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # page -> times offered to store
 
     def _pages(self, key: np.ndarray, extra_key: Hashable | None) -> list[bytes]:
@@ -103,10 +135,14 @@ class StorageTier:
 
     def fetch(self, plan: LoadPlan) -> list[bytes]:
         """The leading pages of the plan that storage holds (thread-safe as the backend is)."""
+        started = time.perf_counter()
         wanted = plan.hashes[plan.first :]
         if self.storage.exists(wanted) < self.min_pages:
             return []
-        return self.storage.get(wanted)
+        payloads = self.storage.get(wanted)
+        if payloads:
+            self.load_latency.observe(time.perf_counter() - started)
+        return payloads
 
     def admit(self, plan: LoadPlan, payloads: Sequence[bytes]) -> int:
         """Put the fetched pages into the tree; return the tokens the tree gained (0 when the
@@ -206,7 +242,9 @@ class StorageTier:
         """Write the plan's pages (thread-safe as the backend is); return how many stored."""
         if not plan.hashes:
             return 0
+        started = time.perf_counter()
         stored = self.storage.set(plan.hashes, plan.payloads)
+        self.backup_latency.observe(time.perf_counter() - started)
         self.stored_tokens += stored * self.page_size
         return stored
 
@@ -291,7 +329,6 @@ class StorageIO:
         threads: int = 2,
         clock=None,
     ) -> None:
-        import time
         from concurrent.futures import ThreadPoolExecutor
 
         if prefetch not in PREFETCH_MODES:
@@ -321,8 +358,6 @@ class StorageIO:
         return waits
 
     def _timed_fetch(self, plan: LoadPlan) -> list[bytes]:
-        import time
-
         start = time.perf_counter()
         payloads = self.tier.fetch(plan)
         self.cost.observe_read(sum(len(p) for p in payloads), time.perf_counter() - start)

@@ -8,7 +8,11 @@ time from the snapshot the engine thread publishes, never from the engine itself
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 from radixserve.engine import StreamChunk
 
@@ -121,6 +125,14 @@ def _tier_families(name: str, tier):
         f"Prompt tokens loaded from the {name} tier into the radix cache instead of computed.",
         value=tier.loaded_tokens,
     )
+    for what, histogram in (("load", tier.load_latency), ("backup", tier.backup_latency)):
+        buckets, total = histogram.snapshot()
+        family = HistogramMetricFamily(
+            f"radixserve_{name}_{what}_seconds",
+            f"Seconds per {what} of KV pages {'from' if what == 'load' else 'to'} the {name} tier.",
+        )
+        family.add_metric([], buckets, total)
+        yield family
     size = getattr(tier.storage, "size_bytes", None)
     if size is not None:
         yield GaugeMetricFamily(
