@@ -148,3 +148,18 @@ def test_the_storage_page_must_be_a_multiple_of_the_trees(tmp_path):
     storage = open_storage(f"file:{tmp_path}", IDENTITY)
     with pytest.raises(InvalidArgumentError, match="multiple"):
         StorageTier(cache, storage, ArrayCopier(16), 6)
+
+
+def test_writing_without_probing_storage_skips_what_it_knows(tmp_path):
+    key = list(range(600, 612))
+    cache, copier, tier = make(tmp_path)
+    compute(cache, copier, key)
+    assert tier.store(tier.plan_store(key, probe=False)) == 3
+    assert tier.plan_store(key, probe=False).hashes == []  # known: nothing copied out
+    other, other_copier, other_tier = make(tmp_path)  # another process: it knows nothing yet
+    compute(other, other_copier, key)
+    plan = other_tier.plan_store(key, probe=False)
+    assert len(plan.hashes) == 3
+    written = other_tier.storage.stats.stored
+    assert other_tier.store(plan) == 3 and other_tier.storage.stats.stored == written
+    assert other_tier.plan_store(key, probe=False).hashes == []

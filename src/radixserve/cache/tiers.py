@@ -116,6 +116,8 @@ class StorageTier:
         self.load_latency = LatencyHistogram()  # reading pages (fetch), then admitting them
         self.backup_latency = LatencyHistogram()  # writing pages (store)
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # page -> times offered to store
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # pages this tier saw stored
+        self._known_lock = threading.Lock()
 
     def _pages(self, key: np.ndarray, extra_key: Hashable | None) -> list[bytes]:
         whole = len(key) - len(key) % self.page_size
@@ -140,6 +142,7 @@ class StorageTier:
         if self.storage.exists(wanted) < self.min_pages:
             return []
         payloads = self.storage.get(wanted)
+        self._remember(wanted[: len(payloads)])
         if payloads:
             self.load_latency.observe(time.perf_counter() - started)
         return payloads
@@ -177,10 +180,16 @@ class StorageTier:
         return gained
 
     def plan_store(
-        self, key: Sequence[int], extra_key: Hashable | None = None, min_hits: int = 1
+        self,
+        key: Sequence[int],
+        extra_key: Hashable | None = None,
+        min_hits: int = 1,
+        probe: bool = True,
     ) -> StorePlan:
         """Copy out the whole storage pages of `key` the tree holds and storage lacks; with
-        `min_hits` > 1, only the leading pages offered that many times so far."""
+        `min_hits` > 1, only the leading pages offered that many times so far. With `probe`
+        false, storage is not asked: pages this tier has stored or read count as present (no
+        I/O on the caller's thread; `store` skips any another process stored)."""
         key = np.asarray(key, dtype=TOKEN_DTYPE)
         held = self.cache.peek_prefix(key, extra_key)
         pages = held // self.page_size
@@ -190,7 +199,7 @@ class StorageTier:
         if min_hits > 1:
             pages = self._popular(hashes, min_hits)
             hashes = hashes[:pages]
-        present = self.storage.exists(hashes)
+        present = self.storage.exists(hashes) if probe else self._known_prefix(hashes)
         if present == pages:
             return StorePlan([], [])
         match = self.cache.match_prefix(key[: pages * self.page_size], extra_key, count_hit=False)
@@ -199,6 +208,23 @@ class StorageTier:
             self.copier.export(match.indices[k * p : (k + 1) * p]) for k in range(present, pages)
         ]
         return StorePlan(hashes[present:], payloads)
+
+    def _remember(self, hashes: Sequence[bytes]) -> None:
+        with self._known_lock:
+            for h in hashes:
+                self._known[h] = None
+                self._known.move_to_end(h)
+            while len(self._known) > 1 << 20:
+                self._known.popitem(last=False)
+
+    def _known_prefix(self, hashes: Sequence[bytes]) -> int:
+        n = 0
+        with self._known_lock:
+            for h in hashes:
+                if h not in self._known:
+                    break
+                n += 1
+        return n
 
     def _popular(self, hashes: list[bytes], min_hits: int) -> int:
         """Count one more offer of each page; return how many leading pages reached
@@ -244,6 +270,7 @@ class StorageTier:
             return 0
         started = time.perf_counter()
         stored = self.storage.set(plan.hashes, plan.payloads)
+        self._remember(plan.hashes[:stored])
         self.backup_latency.observe(time.perf_counter() - started)
         self.stored_tokens += stored * self.page_size
         return stored
@@ -414,7 +441,7 @@ class StorageIO:
             wait_futures(futures, timeout, FIRST_COMPLETED)
 
     def write(self, key: Sequence[int], extra_key: Hashable | None = None) -> None:
-        plan = self.tier.plan_store(key, extra_key)
+        plan = self.tier.plan_store(key, extra_key, probe=False)
         if plan.hashes:
             future = self._pool.submit(self.tier.store, plan)
             self._writes.add(future)
