@@ -271,10 +271,8 @@ def _load_spec(spec: dict):
 def _grid(args: argparse.Namespace, spec: dict, evictions, sizes) -> list[dict]:
     """The sweep's cells: every eviction x schedule x size, each naming its trace `spec`."""
     common = {"trace": spec, "page_size": args.page_size}
-    if args.host_cache and not args.cache_only:
-        raise InvalidArgumentError("--host-cache is modelled in --cache-only mode only")
+    common["host_cache"] = args.host_cache or 0
     if args.cache_only:
-        common["host_cache"] = args.host_cache or 0
         return [
             {**common, "mode": "cache-only", "eviction": e, "size": [kind, size]}
             for e in evictions
@@ -346,6 +344,7 @@ def _sweep_cell(cell: dict) -> dict:
         max_running_requests=cell["max_running_requests"],
         chunked_prefill_size=cell["chunked_prefill_size"],
         cost_model=parse_cost_model(cell["cost"]),
+        host_cache_tokens=cell.get("host_cache", 0),
     )
     return replay(trace, config, unique=unique, progress=progress).as_dict()
 
@@ -698,8 +697,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-cache",
         type=_positive_int,
         default=None,
-        help="with --cache-only: a host tier of this many tokens (keys) behind the --cache pool, "
-        "written back as the pool evicts; its hits are reported apart",
+        help="a host tier of this many tokens (keys) behind the --cache pool, written back as "
+        "the pool evicts, loaded at host_load_per_token (--cost) in scheduled replays; its "
+        "hits are reported apart",
     )
     rp.add_argument(
         "--keys",

@@ -146,6 +146,8 @@ class Engine:
         identity = self._kv_identity(loaded.source) if tiered else None
         self.host_tier = self._open_host_tier(identity) if config.hicache_size_gb else None
         self.storage_io = self._open_storage(identity) if config.hicache_storage else None
+        if self.host_tier is not None:
+            self.scheduler.before_admit = self._load_from_host
         self.attention = make_attention_backend("torch", decode=config.decode_attention)
         self.compiled_decode = self._compile_decode() if config.compile else None
         self._live: dict[str, _Live] = {}
@@ -288,17 +290,23 @@ class Engine:
             params, req.input_ids, self.device, int(self._seeds.integers(2**62))
         )
         compiled = self.compile_grammar(params)
-        live = _Live(req, state, IncrementalDetokenizer(self.tokenizer, params.stop))
-        self._live[rid] = live
-        if self.host_tier is not None:
-            plan = self.host_tier.plan_load(req.input_ids, extra_key)
-            if plan is not None:
-                live.host_tokens = self.host_tier.admit(plan, self.host_tier.fetch(plan))
+        self._live[rid] = _Live(req, state, IncrementalDetokenizer(self.tokenizer, params.stop))
         if self.storage_io is not None and self.storage_io.begin(rid, req.input_ids, extra_key):
             self._loading[rid] = compiled
         else:
             self._enqueue(rid, compiled)
         return rid
+
+    def _load_from_host(self, req: Req) -> None:
+        """Before `req` is first admitted: what the host tier holds past the tree's prefix
+        goes into device slots (all of it or none)."""
+        tier = self.host_tier
+        plan = tier.plan_load(req.token_ids(req.seq_len - 1), req.extra_key)
+        if plan is not None:
+            loaded = tier.admit(plan, tier.fetch(plan))
+            live = self._live.get(req.rid)
+            if live is not None:
+                live.host_tokens += loaded
 
     def _enqueue(self, rid: str, compiled: Future | None) -> None:
         """To the scheduler, or to wait for its grammar."""

@@ -143,5 +143,18 @@ def test_replay_reports_host_tier_hits_apart(capsys):
     out = capsys.readouterr().out
     assert "| host tokens | device hit % | host hit % |" in out
     assert "| 20,000 | 27.86 | 39.06 |" in out
-    with pytest.raises(SystemExit):
-        main(["replay", "workload:multi-turn-random", "--cache", "10000", "--host-cache", "20000"])
+
+
+def test_a_scheduled_replay_loads_from_the_host_tier_before_admission(capsys):
+    from radixserve.sim.replay import ReplayConfig, replay
+
+    trace = make_workload("multi-turn-random")
+    base = dict(kv_cache_tokens=10_000, arrivals="closed-loop:8", check_invariants=True)
+    alone = replay(trace, ReplayConfig(**base))
+    tiered = replay(trace, ReplayConfig(**base, host_cache_tokens=20_000))
+    assert alone.host_hit_rate == 0 < tiered.host_hit_rate <= tiered.token_hit_rate
+    assert tiered.token_hit_rate > alone.token_hit_rate + 0.2
+    assert tiered.ttft_p50 < alone.ttft_p50
+    argv = ["replay", "workload:multi-turn-random", "--cache", "10000", "--host-cache", "20000"]
+    assert main(argv) == 0
+    assert "| host tokens | host hit % |" in capsys.readouterr().out

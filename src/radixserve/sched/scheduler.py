@@ -158,9 +158,12 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_admit: Callable[[Req], None] | None = None,
+        before_admit: Callable[[Req], None] | None = None,
     ) -> None:
         """`on_admit(req)` runs after each admission, once `req`'s prefix is matched and locked
-        (the policy lab's oracle uses it to learn which future uses have happened)."""
+        (the policy lab's oracle uses it to learn which future uses have happened).
+        `before_admit(req)` runs before a waiting request's prefix is first matched: a lower KV
+        tier may put more of its prefix into the tree there."""
         self.cache = cache
         self.allocator = cache.allocator
         self.config = config or SchedulerConfig()
@@ -181,6 +184,7 @@ class Scheduler:
         )
         self.clock = clock
         self.on_admit = on_admit
+        self.before_admit = before_admit
         self.waiting = WaitingQueue(by_priority=cfg.enable_priority_scheduling)
         self.prefilling: Req | None = None
         self.running: list[Req] = []
@@ -432,6 +436,8 @@ class Scheduler:
 
     def _admit(self, req: Req, rnd: _Round) -> bool:
         """Match and lock `req`'s prefix and add its first chunk, or leave everything as it was."""
+        if self.before_admit is not None and req.cached_tokens is None:
+            self.before_admit(req)
         # The last token is always computed, so that the model can sample the next one.
         match = self.cache.match_prefix(req.token_ids(req.seq_len - 1), req.extra_key)
         self.cache.inc_lock_ref(match.last_node)

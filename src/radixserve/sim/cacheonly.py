@@ -36,7 +36,7 @@ from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.errors import InvalidArgumentError
 from radixserve.sim.oracle import BeladyPolicy, served_sequence, unique_tokens
-from radixserve.sim.replay import check_capacity, make_policy, pool_size
+from radixserve.sim.replay import check_capacity, lab_host_tier, make_policy, pool_size
 from radixserve.sim.traces import TraceRequest
 
 
@@ -95,7 +95,7 @@ def simulate_cache(
     now = [0.0]  # a logical clock: one tick per request, so runs are deterministic
     cache = RadixCache(allocator, page_size=page_size, eviction_policy=policy, clock=lambda: now[0])
     on_admit = policy.on_admit if isinstance(policy, BeladyPolicy) else None
-    host = _host_tier(cache, host_tokens, host_page_size or (16 if page_size == 1 else page_size))
+    host = lab_host_tier(cache, host_tokens, host_page_size, page_size)
     hits = prompt_tokens = evicted = host_hits = 0
     started = time.perf_counter()
     for r in tqdm(trace, desc="cache-only", unit="req", disable=not progress, leave=False):
@@ -143,31 +143,3 @@ def simulate_cache(
         host_hit_tokens=host_hits,
         host_hit_rate=host_hits / prompt_tokens if prompt_tokens else 0.0,
     )
-
-
-class _NoKV:
-    """A copier for the lab: a page's payload is one byte per token, and nothing moves."""
-
-    def export(self, slots) -> bytes:
-        return bytes(len(slots))
-
-    def load(self, slots, payload: bytes) -> None:
-        pass
-
-
-def _host_tier(cache: RadixCache, tokens: int, page: int):
-    if not tokens:
-        return None
-    if not isinstance(tokens, int) or tokens < page:
-        raise InvalidArgumentError(
-            f"the host tier needs at least one page ({page} tokens), got {tokens!r}",
-            field="host_cache",
-        )
-    from radixserve.cache.storage import StorageIdentity
-    from radixserve.cache.storage.host import HostStorage
-    from radixserve.cache.tiers import StorageTier
-
-    store = HostStorage(StorageIdentity("lab", "none", "none", page), max_bytes=tokens)
-    tier = StorageTier(cache, store, _NoKV(), page)
-    cache.evict_listener = lambda node: tier.store(tier.plan_evicted(node))
-    return tier

@@ -10,6 +10,9 @@ With block keys (`tokens_per_key` > 1) each key stands for that many tokens: a p
 its keys' tokens, and a decode step, which emits one key per request, stands for as many real
 decode steps as the tokens that key holds, with the batch shrinking as shorter answers end.
 
+Loading a token's KV back from a host tier costs `host_load_per_token` (the default: about
+0.5 MB of fp16 KV per token of a 7B model over 25 GB/s of PCIe).
+
 The defaults are of the order of a 7B model on one datacenter GPU; they are constants to
 change, not measurements.
 """
@@ -31,6 +34,7 @@ class CostModel:
     decode_step: float = 8.0e-3
     decode_per_request: float = 5.0e-5
     decode_per_context_token: float = 2.0e-8
+    host_load_per_token: float = 2.0e-5
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -53,6 +53,8 @@ class ReplayConfig:
     scheduler_options: dict = field(default_factory=dict)
     cost_model: CostModel = field(default_factory=CostModel)
     check_invariants: bool = False
+    host_cache_tokens: int = 0
+    host_page_size: int | None = None
 
     def __post_init__(self) -> None:
         check_capacity(self.kv_cache_tokens, self.cache_fraction, "kv_cache_tokens")
@@ -185,6 +187,10 @@ class ReplayResult:
     """The same over the busiest tenth of the span."""
     wall_seconds: float
     sched_cache_us_per_request: float
+    host_cache_tokens: int = 0
+    host_hit_tokens: int = 0
+    host_hit_rate: float = 0.0
+    """Prompt tokens (keys) loaded from the host tier, over all prompt tokens."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -388,6 +394,19 @@ def replay(
     if isinstance(policy, BeladyPolicy):
         on_admit = policy.on_admit
     scheduler = Scheduler(cache, scheduler_config(config, k), clock=clock, on_admit=on_admit)
+    host = lab_host_tier(cache, config.host_cache_tokens, config.host_page_size, config.page_size)
+    host_loaded = [0, 0]  # keys loaded from the host tier: all, and during the current step
+
+    def load_from_host(req: Req) -> None:
+        """As the engine does: before a request's first admission, on the engine's thread."""
+        plan = host.plan_load(req.token_ids(req.seq_len - 1))
+        if plan is not None:
+            loaded = host.admit(plan, host.fetch(plan))
+            host_loaded[0] += loaded
+            host_loaded[1] += loaded
+
+    if host is not None:
+        scheduler.before_admit = load_from_host
     index = trace_index(trace)
     kind, value = parse_arrivals(config.arrivals)
     arrivals = arrival_times(trace, kind, value)
@@ -411,6 +430,8 @@ def replay(
             sent += 1
         batch = scheduler.step() if scheduler.has_work() else None
         wall += time.perf_counter() - tick
+        now[0] += config.cost_model.host_load_per_token * k * host_loaded[1]
+        host_loaded[1] = 0
         if batch is not None:
             now[0] += batch_seconds(config.cost_model, batch, trace, index, k)
             tokens = scripted_tokens(batch, trace, index)
@@ -480,4 +501,39 @@ def replay(
         peak_load=load(windows=PEAK_WINDOWS),
         wall_seconds=elapsed,
         sched_cache_us_per_request=wall / n * 1e6,
+        host_cache_tokens=config.host_cache_tokens,
+        host_hit_tokens=host_loaded[0],
+        host_hit_rate=host_loaded[0] / max(1, stats.prompt_tokens),
     )
+
+
+class _NoKV:
+    """A copier for the lab: a page's payload is one byte per token, and nothing moves."""
+
+    def export(self, slots) -> bytes:
+        return bytes(len(slots))
+
+    def load(self, slots, payload: bytes) -> None:
+        pass
+
+
+def lab_host_tier(cache: RadixCache, tokens: int, page: int | None, cache_page: int):
+    """A host tier of `tokens` behind `cache`, run by the engine's tier code with no KV moved,
+    written back as the cache evicts; None for 0. Pages of `page` tokens (default the cache's
+    page, or 16 at page size 1)."""
+    if not tokens:
+        return None
+    page = page or (16 if cache_page == 1 else cache_page)
+    if not isinstance(tokens, int) or tokens < page:
+        raise InvalidArgumentError(
+            f"the host tier needs at least one page ({page} tokens), got {tokens!r}",
+            field="host_cache",
+        )
+    from radixserve.cache.storage import StorageIdentity
+    from radixserve.cache.storage.host import HostStorage
+    from radixserve.cache.tiers import StorageTier
+
+    store = HostStorage(StorageIdentity("lab", "none", "none", page), max_bytes=tokens)
+    tier = StorageTier(cache, store, _NoKV(), page)
+    cache.evict_listener = lambda node: tier.store(tier.plan_evicted(node))
+    return tier

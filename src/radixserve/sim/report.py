@@ -34,11 +34,19 @@ def markdown_table(
 ) -> str:
     """One row per replay; the first percentage column is the hit rate over `unit` (tokens,
     or blocks with block keys)."""
+    columns = COLUMNS
+    if any(getattr(r, "host_cache_tokens", 0) for r in results):
+        columns = (
+            *COLUMNS[:5],
+            ("host {unit}", lambda r: f"{r.host_cache_tokens:,}"),
+            ("host hit %", lambda r: f"{100 * r.host_hit_rate:.2f}"),
+            *COLUMNS[5:],
+        )
     lines = [
-        "| " + " | ".join(name.format(unit=unit) for name, _ in COLUMNS) + " |",
-        "|" + "|".join("---" for _ in COLUMNS) + "|",
+        "| " + " | ".join(name.format(unit=unit) for name, _ in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
     ]
-    lines += ["| " + " | ".join(cell(r) for _, cell in COLUMNS) + " |" for r in results]
+    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in results]
     if infinite_bound is not None:
         lines.append(f"\nInfinite-cache bound: {100 * infinite_bound:.2f}% hit rate.")
     return "\n".join(lines)
