@@ -201,9 +201,7 @@ class Engine:
         """The host-memory tier of `hicache_size_gb`, written as `hicache_write_policy` says."""
         config = self.config
         host = HostStorage(identity, int(config.hicache_size_gb * 2**30))
-        dtype = (
-            getattr(torch, config.hicache_host_dtype or "") if config.hicache_host_dtype else None
-        )
+        dtype = getattr(torch, config.hicache_host_dtype) if config.hicache_host_dtype else None
         copier = self.kv if dtype in (None, self.dtype) else CastingCopier(self.kv, dtype)
         tier = StorageTier(self.cache, host, copier, config.hicache_page_size)
         if config.hicache_write_policy == "write_back":

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from radixserve.cache import PagedTokenToKVPoolAllocator, RadixCache, TokenToKVPoolAllocator
+from radixserve.cache.hashing import hash_pages
 from radixserve.cache.storage import StorageIdentity, open_storage
 from radixserve.cache.tiers import StorageTier
 from radixserve.errors import InvalidArgumentError
@@ -44,6 +45,13 @@ def compute(cache: RadixCache, copier: ArrayCopier, key, extra_key=None) -> None
     cache.allocator.free(slots[:before])
 
 
+def write(tmp_path, key, extra_key=None) -> None:
+    """What one process leaves in storage: `key`'s pages, computed and written through."""
+    cache, copier, tier = make(tmp_path)
+    compute(cache, copier, key, extra_key)
+    tier.store(tier.plan_store(key, extra_key))
+
+
 def check(cache: RadixCache) -> None:
     cache.check_invariants()
     allocator = cache.allocator
@@ -75,9 +83,7 @@ def test_a_prefix_written_by_one_tree_loads_into_another(tmp_path):
 
 def test_only_the_pages_past_the_trees_prefix_are_loaded(tmp_path):
     key = list(range(40, 56))
-    cache, copier, tier = make(tmp_path)
-    compute(cache, copier, key)
-    tier.store(tier.plan_store(key))
+    write(tmp_path, key)
     fresh, fresh_copier, fresh_tier = make(tmp_path)
     compute(fresh, fresh_copier, key[:5])  # a page and a bit of its own
     plan = fresh_tier.plan_load(key)
@@ -89,9 +95,7 @@ def test_only_the_pages_past_the_trees_prefix_are_loaded(tmp_path):
 
 def test_tenants_load_only_their_own_pages(tmp_path):
     key = list(range(100, 112))
-    cache, copier, tier = make(tmp_path)
-    compute(cache, copier, key, extra_key="tenant-a")
-    tier.store(tier.plan_store(key, "tenant-a"))
+    write(tmp_path, key, "tenant-a")
     fresh, _, fresh_tier = make(tmp_path)
     assert round_trip(fresh_tier, key, "tenant-b") == 0
     assert round_trip(fresh_tier, key) == 0
@@ -101,9 +105,7 @@ def test_tenants_load_only_their_own_pages(tmp_path):
 
 def test_no_room_loads_nothing_and_leaks_nothing(tmp_path):
     key = list(range(200, 216))
-    cache, copier, tier = make(tmp_path)
-    compute(cache, copier, key)
-    tier.store(tier.plan_store(key))
+    write(tmp_path, key)
     small, small_copier, small_tier = make(tmp_path, slots=16)
     held = list(range(500, 516))
     compute(small, small_copier, held)
@@ -118,9 +120,7 @@ def test_no_room_loads_nothing_and_leaks_nothing(tmp_path):
 
 def test_pages_the_tree_gained_meanwhile_are_not_leaked(tmp_path):
     key = list(range(300, 312))
-    cache, copier, tier = make(tmp_path)
-    compute(cache, copier, key)
-    tier.store(tier.plan_store(key))
+    write(tmp_path, key)
     fresh, fresh_copier, fresh_tier = make(tmp_path)
     plan = fresh_tier.plan_load(key)
     payloads = fresh_tier.fetch(plan)
@@ -132,10 +132,8 @@ def test_pages_the_tree_gained_meanwhile_are_not_leaked(tmp_path):
 
 def test_a_damaged_page_ends_the_load_there(tmp_path):
     key = list(range(400, 416))
-    cache, copier, tier = make(tmp_path)
-    compute(cache, copier, key)
-    tier.store(tier.plan_store(key))
-    pages = tier._pages(np.asarray(key), None)
+    write(tmp_path, key)
+    pages = hash_pages(np.asarray(key), PAGE)
     [third] = [p for p in tmp_path.rglob("*.kv") if p.stem == pages[2].hex()]
     third.write_bytes(b"junk")
     fresh, _, fresh_tier = make(tmp_path)

@@ -11,7 +11,8 @@ adapters or salts never share a hash.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable
+from collections import OrderedDict
+from collections.abc import Container, Hashable, Sequence
 
 import numpy as np
 
@@ -40,3 +41,22 @@ def hash_pages(token_ids: object, page_size: int, extra_key: Hashable | None = N
     """The chained digests of every whole page of `token_ids`, from the start of a sequence."""
     data = np.asarray(token_ids).astype(TOKEN_DTYPE, copy=False).tobytes()
     return chain_page_hashes(data, page_size, namespace_seed(extra_key))
+
+
+def leading_pages(hashes: Sequence[bytes], held: Container[bytes]) -> int:
+    """How many of `hashes`, from the first, `held` contains."""
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n
+
+
+def remember_pages(pages: OrderedDict[bytes, None], hashes: Sequence[bytes], cap: int) -> None:
+    """Add `hashes` as the newest of `pages`, keeping at most `cap` (oldest out)."""
+    for h in hashes:
+        pages[h] = None
+        pages.move_to_end(h)
+    while len(pages) > cap:
+        pages.popitem(last=False)

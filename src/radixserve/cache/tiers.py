@@ -23,13 +23,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from radixserve.cache.hashing import TOKEN_DTYPE, hash_pages
+from radixserve.cache.hashing import TOKEN_DTYPE, hash_pages, leading_pages, remember_pages
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.storage import StorageBackend
 from radixserve.errors import InvalidArgumentError
@@ -73,14 +73,13 @@ class KVCopier(Protocol):
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """Storage pages a prompt could load: hashes[first:first + count] extend the tree's
-    prefix of `device_tokens` tokens."""
+    """Storage pages a prompt could load: hashes[first:] extend the tree's prefix, which
+    reached into page `first` when the plan was made."""
 
     key: np.ndarray
     extra_key: Hashable | None
     hashes: list[bytes]
     first: int
-    device_tokens: int
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,8 @@ class StorageTier:
         self.min_pages = max(1, min_pages)
         self.loaded_tokens = 0
         self.stored_tokens = 0
-        self.load_latency = LatencyHistogram()  # reading pages (fetch), then admitting them
+        self.load_latency = LatencyHistogram()  # reading pages (fetch)
+        self.on_read: Callable[[int, float], None] | None = None  # (bytes, seconds) per fetch
         self.backup_latency = LatencyHistogram()  # writing pages (store)
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # page -> times offered to store
         self._known: OrderedDict[bytes, None] = OrderedDict()  # pages this tier saw stored
@@ -133,7 +133,7 @@ class StorageTier:
         first = device // self.page_size
         if len(hashes) - first < self.min_pages:
             return None
-        return LoadPlan(key, extra_key, hashes, first, device)
+        return LoadPlan(key, extra_key, hashes, first)
 
     def fetch(self, plan: LoadPlan) -> list[bytes]:
         """The leading pages of the plan that storage holds (thread-safe as the backend is)."""
@@ -144,7 +144,10 @@ class StorageTier:
         payloads = self.storage.get(wanted)
         self._remember(wanted[: len(payloads)])
         if payloads:
-            self.load_latency.observe(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.load_latency.observe(seconds)
+            if self.on_read is not None:
+                self.on_read(sum(len(p) for p in payloads), seconds)
         return payloads
 
     def admit(self, plan: LoadPlan, payloads: Sequence[bytes]) -> int:
@@ -211,20 +214,11 @@ class StorageTier:
 
     def _remember(self, hashes: Sequence[bytes]) -> None:
         with self._known_lock:
-            for h in hashes:
-                self._known[h] = None
-                self._known.move_to_end(h)
-            while len(self._known) > 1 << 20:
-                self._known.popitem(last=False)
+            remember_pages(self._known, hashes, 1 << 20)
 
     def _known_prefix(self, hashes: Sequence[bytes]) -> int:
-        n = 0
         with self._known_lock:
-            for h in hashes:
-                if h not in self._known:
-                    break
-                n += 1
-        return n
+            return leading_pages(hashes, self._known)
 
     def _popular(self, hashes: list[bytes], min_hits: int) -> int:
         """Count one more offer of each page; return how many leading pages reached
@@ -364,6 +358,7 @@ class StorageIO:
                 field="hicache_prefetch",
             )
         self.tier, self.cost, self.prefetch, self.timeout = tier, cost, prefetch, timeout
+        tier.on_read = cost.observe_read
         self.clock = clock or time.monotonic
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="radixserve-kv-storage")
         self._pending: dict[str, _Pending] = {}
@@ -378,20 +373,11 @@ class StorageIO:
         tokens = (len(plan.hashes) - plan.first) * self.tier.page_size
         if not self.cost.worth(tokens):
             return False
-        future = self._pool.submit(self._timed_fetch, plan)
+        future = self._pool.submit(self.tier.fetch, plan)
         waits = self.prefetch != "best_effort"
         deadline = self.clock() + self.timeout if self.prefetch == "timeout" else None
         self._pending[rid] = _Pending(plan, future, deadline, waits)
         return waits
-
-    def _timed_fetch(self, plan: LoadPlan) -> list[bytes]:
-        start = time.perf_counter()
-        payloads = self.tier.fetch(plan)
-        self.cost.observe_read(sum(len(p) for p in payloads), time.perf_counter() - start)
-        return payloads
-
-    def waiting(self) -> list[str]:
-        return [rid for rid, p in self._pending.items() if p.waiting]
 
     def ready(self) -> list[str]:
         """Admit finished reads; return the waiting requests that may now be scheduled."""

@@ -7,12 +7,9 @@ ZMQ. It tokenizes prompts with the served model's tokenizer and chat template, s
 digests match the backends' trees for plain prompts and chats (a request with tools is
 rendered differently by the backend; it is then routed as if it had no cached prefix).
 
-Load as the router sees it: the requests and prompt tokens it has in flight per backend, and
-how long the oldest has been waiting for its answer. A backend that refuses connections is
-marked down for `retry_after` seconds, the request goes to the next choice, and `precise`
-forgets the backend's pages; when every backend is down the client gets a 503. A backend
-whose KV events stop (no batch, not even the publisher's heartbeat, for `events_timeout`
-seconds) has its pages forgotten too, until its events resume.
+Load, liveness and KV event expiry are `router.state.Router`'s. A backend that refuses
+connections is marked down, and the request goes to the next choice; when every backend is
+down the client gets a 503.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from radixserve.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from radixserve.cache.hashing import hash_pages
+from radixserve.cache.hashing import hash_pages, leading_pages, remember_pages
 from radixserve.errors import InvalidArgumentError
 
 
@@ -172,7 +172,7 @@ class CacheAware(RoutingPolicy):
         self._hashes = hashes = self.page_hashes(request)
         if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:
             return counts.index(low)
-        matched = [_prefix_in(hashes, tree) for tree in self._trees]
+        matched = [leading_pages(hashes, tree) for tree in self._trees]
         best = max(range(self.replicas), key=lambda i: (matched[i], -counts[i]))
         total = max(1, len(request.input_ids) // self.page_size)
         if hashes and matched[best] / total > self.cache_threshold:
@@ -182,7 +182,7 @@ class CacheAware(RoutingPolicy):
     def _routed(self, request, replica) -> None:
         hashes = self._hashes if self._hashes else self.page_hashes(request)
         self._hashes = []
-        _remember(self._trees[replica], hashes, self.max_tree_pages)
+        remember_pages(self._trees[replica], hashes, self.max_tree_pages)
 
     def forget(self, replica: int) -> None:
         self._trees[replica].clear()
@@ -215,7 +215,7 @@ class Precise(RoutingPolicy):
     def _routed(self, request, replica) -> None:
         hashes, self._hashes = self._hashes or self.page_hashes(request), []
         unconfirmed = [h for h in hashes if replica not in self._index.get(h, ())]
-        _remember(self._expected[replica], unconfirmed, self.expected_pages)
+        remember_pages(self._expected[replica], unconfirmed, self.expected_pages)
 
     def on_events(self, replica: int, events: Sequence[KVCacheEvent]) -> None:
         held = self._held[replica]
@@ -276,24 +276,6 @@ class Precise(RoutingPolicy):
             return score, r
 
         return min(range(self.replicas), key=cost)
-
-
-def _remember(pages: OrderedDict[bytes, None], hashes: Sequence[bytes], cap: int) -> None:
-    """Add `hashes` as the newest of `pages`, keeping at most `cap` (oldest out)."""
-    for h in hashes:
-        pages[h] = None
-        pages.move_to_end(h)
-    while len(pages) > cap:
-        pages.popitem(last=False)
-
-
-def _prefix_in(hashes: Sequence[bytes], held) -> int:
-    n = 0
-    for h in hashes:
-        if h not in held:
-            break
-        n += 1
-    return n
 
 
 ROUTING_POLICIES: dict[str, Callable[..., RoutingPolicy]] = {

@@ -105,6 +105,23 @@ class StorageBackend(ABC):
         self._id = identity.digest
         self.stats = StorageStats()
 
+    def _checked(self, page: bytes, data: bytes, where: object) -> bytes | None:
+        """The payload of `page` as read (`data`), counted as a hit; None when it is
+        truncated, corrupted or foreign (counted, and logged once): the caller drops it."""
+        payload = unframe(self._id, page, data)
+        if payload is None:
+            self.stats.rejected += 1
+            self.stats.warn_once(
+                "rejected",
+                "KV storage page %s is truncated, corrupted or foreign; dropped and recomputed "
+                "(further ones are counted, not logged)",
+                where,
+            )
+            return None
+        self.stats.hits += 1
+        self.stats.bytes_read += len(data)
+        return payload
+
     @abstractmethod
     def exists(self, pages: Sequence[bytes]) -> int:
         """How many of `pages`, from the first, are stored (a cheap check: a page counted

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from radixserve.cache.storage import StorageBackend, StorageIdentity, frame, unframe
+from radixserve.cache.storage import StorageBackend, StorageIdentity, frame
 from radixserve.errors import InvalidArgumentError
 
 
@@ -89,19 +89,10 @@ class FileStorage(StorageBackend):
                 self.stats.read_errors += 1
                 self.stats.warn_once("read", "KV storage read failed (%s); recomputing", exc)
                 break
-            payload = unframe(self._id, page, data)
+            payload = self._checked(page, data, path)
             if payload is None:
-                self.stats.rejected += 1
-                self.stats.warn_once(
-                    "rejected",
-                    "KV storage page %s is truncated, corrupted or foreign; dropped and "
-                    "recomputed (further ones are counted, not logged)",
-                    path,
-                )
                 self._remove(path)
                 break
-            self.stats.hits += 1
-            self.stats.bytes_read += len(data)
             self._touch(path)
             out.append(payload)
         return out

@@ -11,6 +11,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from radixserve.cache.hashing import leading_pages
 from radixserve.cache.storage import StorageBackend, StorageIdentity
 from radixserve.errors import InvalidArgumentError
 
@@ -34,13 +35,8 @@ class HostStorage(StorageBackend):
         return len(self._pages)
 
     def exists(self, pages: Sequence[bytes]) -> int:
-        n = 0
         with self._lock:
-            for page in pages:
-                if page not in self._pages:
-                    break
-                n += 1
-        return n
+            return leading_pages(pages, self._pages)
 
     def get(self, pages: Sequence[bytes]) -> list[bytes]:
         out = []

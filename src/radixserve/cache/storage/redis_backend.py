@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
-from radixserve.cache.storage import StorageBackend, StorageIdentity, frame, unframe
+from radixserve.cache.storage import StorageBackend, StorageIdentity, frame
 from radixserve.errors import InvalidArgumentError
 
 
@@ -77,18 +77,10 @@ class RedisStorage(StorageBackend):
             if data is None:
                 self.stats.misses += 1
                 break
-            payload = unframe(self._id, page, data)
+            payload = self._checked(page, data, self._key(page))
             if payload is None:
-                self.stats.rejected += 1
-                self.stats.warn_once(
-                    "rejected",
-                    "KV storage (redis) page %s is corrupted or foreign; dropped and recomputed",
-                    page.hex(),
-                )
                 self._delete(page)
                 break
-            self.stats.hits += 1
-            self.stats.bytes_read += len(data)
             out.append(payload)
         if out and self.ttl is not None:
             try:
