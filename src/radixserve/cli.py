@@ -272,6 +272,8 @@ def _grid(args: argparse.Namespace, spec: dict, evictions, sizes) -> list[dict]:
     """The sweep's cells: every eviction x schedule x size, each naming its trace `spec`."""
     common = {"trace": spec, "page_size": args.page_size}
     common["host_cache"] = args.host_cache or 0
+    common["host_eviction"] = args.host_eviction
+    common["storage_cache"] = args.storage_cache or 0
     if args.cache_only:
         return [
             {**common, "mode": "cache-only", "eviction": e, "size": [kind, size]}
@@ -332,6 +334,8 @@ def _sweep_cell(cell: dict) -> dict:
             unique=unique,
             progress=progress,
             host_tokens=cell.get("host_cache", 0),
+            host_eviction_policy=cell.get("host_eviction", "lru"),
+            storage_tokens=cell.get("storage_cache", 0),
         )
         return result.as_dict()
     config = ReplayConfig(
@@ -345,6 +349,8 @@ def _sweep_cell(cell: dict) -> dict:
         chunked_prefill_size=cell["chunked_prefill_size"],
         cost_model=parse_cost_model(cell["cost"]),
         host_cache_tokens=cell.get("host_cache", 0),
+        host_eviction_policy=cell.get("host_eviction", "lru"),
+        storage_cache_tokens=cell.get("storage_cache", 0),
     )
     return replay(trace, config, unique=unique, progress=progress).as_dict()
 
@@ -495,6 +501,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "hicache_host_dtype": args.hicache_host_dtype,
         "hicache_write_policy": args.hicache_write_policy,
         "hicache_write_through_threshold": args.hicache_write_through_threshold,
+        "hicache_eviction_policy": args.hicache_eviction_policy,
         "hicache_storage": args.hicache_storage,
         "hicache_page_size": args.hicache_page_size,
         "hicache_storage_size_gb": args.hicache_storage_size,
@@ -702,6 +709,19 @@ def build_parser() -> argparse.ArgumentParser:
         "hits are reported apart",
     )
     rp.add_argument(
+        "--host-eviction",
+        default="lru",
+        help="the host tier's eviction policy (any --eviction name but belady)",
+    )
+    rp.add_argument(
+        "--storage-cache",
+        type=_positive_int,
+        default=None,
+        help="a storage tier of this many tokens (keys) behind the pool and host tier, written "
+        "through as each request ends (LRU cleanup), loaded at storage_load_per_token (--cost) "
+        "in scheduled replays; its hits are reported apart",
+    )
+    rp.add_argument(
         "--keys",
         choices=("auto", "blocks", "tokens"),
         default="auto",
@@ -864,6 +884,12 @@ def build_parser() -> argparse.ArgumentParser:
         "offered --hicache-write-through-threshold times, or when the device evicts it",
     )
     sv.add_argument("--hicache-write-through-threshold", type=_positive_int, default=2)
+    sv.add_argument(
+        "--hicache-eviction-policy",
+        default="lru",
+        help="which host-tier pages leave first when it is full: any --eviction-policy name "
+        "(a chain's last pages always go before its first)",
+    )
     sv.add_argument(
         "--hicache-storage",
         default=None,

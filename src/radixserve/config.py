@@ -40,6 +40,7 @@ class EngineConfig:
     hicache_host_dtype: str | None = None
     hicache_write_policy: str = "write_through"
     hicache_write_through_threshold: int = 2
+    hicache_eviction_policy: str = "lru"
     hicache_storage: str | None = None
     hicache_page_size: int = 64
     hicache_storage_size_gb: float | None = None
@@ -60,6 +61,11 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"eviction_policy must be one of {available_eviction_policies()}, "
                 f"got {self.eviction_policy!r}"
+            )
+        if self.hicache_eviction_policy not in available_eviction_policies():
+            raise InvalidArgumentError(
+                f"hicache_eviction_policy must be one of {available_eviction_policies()}, "
+                f"got {self.hicache_eviction_policy!r}"
             )
         make_schedule_policy(self.schedule_policy)
         if self.weight_format not in WEIGHT_FORMATS:

@@ -200,19 +200,22 @@ class Engine:
     def _open_host_tier(self, identity: StorageIdentity) -> StorageTier:
         """The host-memory tier of `hicache_size_gb`, written as `hicache_write_policy` says."""
         config = self.config
-        host = HostStorage(identity, int(config.hicache_size_gb * 2**30))
+        host = HostStorage(
+            identity, int(config.hicache_size_gb * 2**30), config.hicache_eviction_policy
+        )
         dtype = getattr(torch, config.hicache_host_dtype) if config.hicache_host_dtype else None
         copier = self.kv if dtype in (None, self.dtype) else CastingCopier(self.kv, dtype)
         tier = StorageTier(self.cache, host, copier, config.hicache_page_size)
         if config.hicache_write_policy == "write_back":
             self.cache.evict_listener = lambda node: tier.store(tier.plan_evicted(node))
         log.info(
-            "KV host tier: %.2f GB (%d tokens in %s), pages of %d tokens, %s",
+            "KV host tier: %.2f GB (%d tokens in %s), pages of %d tokens, %s, eviction %s",
             config.hicache_size_gb,
             host.max_bytes // self.kv.page_bytes(1, dtype),
             str(dtype or self.dtype).removeprefix("torch."),
             config.hicache_page_size,
             config.hicache_write_policy,
+            config.hicache_eviction_policy,
         )
         return tier
 
@@ -725,8 +728,11 @@ class Engine:
         return self.generate([ids], sampling_params)[0]
 
     def check_invariants(self) -> None:
-        """The scheduler's and the cache's invariants (slot accounting included)."""
+        """The scheduler's, the cache's and the host tier's invariants (slot and page
+        accounting included)."""
         self.scheduler.check_invariants()
+        if self.host_tier is not None:
+            self.host_tier.storage.check_invariants()
 
 
 def _describe(exc: BaseException) -> str:

@@ -100,8 +100,8 @@ class Tiers(RuleBasedStateMachine):
 
     @invariant()
     def host_sizes_add_up_under_the_cap(self):
-        pages = self.host._pages
-        assert self.host.size_bytes() == sum(len(p) for p in pages.values())
+        self.host.check_invariants()
+        assert self.host.size_bytes() == sum(len(p) for _, p in self.host.items())
         assert self.host.size_bytes() <= self.host.max_bytes
 
     @invariant()
@@ -109,7 +109,7 @@ class Tiers(RuleBasedStateMachine):
         for node in self.cache._nodes():
             if node.parent is not None:
                 assert np.array_equal(self.copier.pool[node.value], node.token_ids)
-        for h, payload in self.host._pages.items():
+        for h, payload in self.host.items():
             assert np.array_equal(np.frombuffer(payload, dtype=np.float64), self.page_tokens[h])
 
 

@@ -155,6 +155,16 @@ def test_the_host_tier_brings_back_a_prefix_the_device_evicted(llama_dir, policy
     idle_check(engine)
 
 
+def test_the_host_tier_evicts_by_its_own_policy(llama_dir):
+    engine = host_engine(llama_dir, "write_through", hicache_eviction_policy="lfu")
+    assert engine.host_tier.storage.policy.name == "lfu"
+    assert engine.cache.policy.name == "lru"
+    run_host(engine, LONG)
+    idle_check(engine)
+    with pytest.raises(InvalidArgumentError, match="hicache_eviction_policy must be one of"):
+        host_engine(llama_dir, "write_through", hicache_eviction_policy="newest")
+
+
 def test_selective_write_through_skips_prefixes_seen_once(llama_dir):
     engine = host_engine(llama_dir, "write_through_selective")
     run_host(engine, LONG)

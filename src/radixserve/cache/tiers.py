@@ -84,10 +84,20 @@ class LoadPlan:
 
 @dataclass(frozen=True)
 class StorePlan:
-    """Pages of a prefix to write: their hashes and the bytes copied out of their slots."""
+    """Pages of a prefix to write: chain[start:], the bytes copied out of their slots, behind
+    chain[:start] (the prefix's page hashes from its first page)."""
 
-    hashes: list[bytes]
+    chain: list[bytes]
+    start: int
     payloads: list[bytes]
+
+    @property
+    def hashes(self) -> list[bytes]:
+        """The hashes of the pages to write."""
+        return self.chain[self.start :]
+
+
+_NOTHING = StorePlan([], 0, [])
 
 
 class StorageTier:
@@ -138,11 +148,10 @@ class StorageTier:
     def fetch(self, plan: LoadPlan) -> list[bytes]:
         """The leading pages of the plan that storage holds (thread-safe as the backend is)."""
         started = time.perf_counter()
-        wanted = plan.hashes[plan.first :]
-        if self.storage.exists(wanted) < self.min_pages:
+        if self.storage.chain_exists(plan.hashes, plan.first) < self.min_pages:
             return []
-        payloads = self.storage.get(wanted)
-        self._remember(wanted[: len(payloads)])
+        payloads = self.storage.chain_get(plan.hashes, plan.first)
+        self._remember(plan.hashes[plan.first : plan.first + len(payloads)])
         if payloads:
             seconds = time.perf_counter() - started
             self.load_latency.observe(seconds)
@@ -197,20 +206,20 @@ class StorageTier:
         held = self.cache.peek_prefix(key, extra_key)
         pages = held // self.page_size
         if self.cache.disable or pages == 0:
-            return StorePlan([], [])
+            return _NOTHING
         hashes = self._pages(key[: pages * self.page_size], extra_key)
         if min_hits > 1:
             pages = self._popular(hashes, min_hits)
             hashes = hashes[:pages]
-        present = self.storage.exists(hashes) if probe else self._known_prefix(hashes)
+        present = self.storage.chain_exists(hashes) if probe else self._known_prefix(hashes)
         if present == pages:
-            return StorePlan([], [])
+            return _NOTHING
         match = self.cache.match_prefix(key[: pages * self.page_size], extra_key, count_hit=False)
         p = self.page_size
         payloads = [
             self.copier.export(match.indices[k * p : (k + 1) * p]) for k in range(present, pages)
         ]
-        return StorePlan(hashes[present:], payloads)
+        return StorePlan(hashes, present, payloads)
 
     def _remember(self, hashes: Sequence[bytes]) -> None:
         with self._known_lock:
@@ -235,7 +244,8 @@ class StorageTier:
 
     def plan_evicted(self, node) -> StorePlan:
         """Copy out the storage pages that end inside `node`'s edge (a node `evict` is about
-        to remove; its path is still in the tree), those the store lacks."""
+        to remove; its path is still in the tree), those the store lacks, and any pages
+        before them on the path that it lacks too (a store keeps whole chains)."""
         keys, values, edge = [], [], len(node.value)
         while node.parent is not None:
             keys.append(node.key)
@@ -246,24 +256,22 @@ class StorageTier:
         end = sum(len(v) for v in values)
         first, last = (end - edge) // p, end // p
         if last <= first:
-            return StorePlan([], [])
+            return _NOTHING
         key = np.frombuffer(b"".join(reversed(keys)), dtype=TOKEN_DTYPE)
-        hashes = hash_pages(key[: last * p], p, extra_key)[first:]
-        missing = [k for k, h in enumerate(hashes) if self.storage.exists([h]) == 0]
-        if not missing:
-            return StorePlan([], [])
+        chain = hash_pages(key[: last * p], p, extra_key)
+        present = self.storage.chain_exists(chain)
+        if present >= last:
+            return _NOTHING
         slots = np.concatenate(values[::-1])
-        payloads = [
-            self.copier.export(slots[(first + k) * p : (first + k + 1) * p]) for k in missing
-        ]
-        return StorePlan([hashes[k] for k in missing], payloads)
+        payloads = [self.copier.export(slots[k * p : (k + 1) * p]) for k in range(present, last)]
+        return StorePlan(chain, present, payloads)
 
     def store(self, plan: StorePlan) -> int:
         """Write the plan's pages (thread-safe as the backend is); return how many stored."""
         if not plan.hashes:
             return 0
         started = time.perf_counter()
-        stored = self.storage.set(plan.hashes, plan.payloads)
+        stored = self.storage.chain_set(plan.chain, plan.start, plan.payloads)
         self._remember(plan.hashes[:stored])
         self.backup_latency.observe(time.perf_counter() - started)
         self.stored_tokens += stored * self.page_size

@@ -14,11 +14,11 @@ The cache is the server's `RadixCache` with the policy by name, so a policy is m
 code that serves. `belady` is the offline oracle of `radixserve.sim.oracle`, reading the
 trace's future.
 
-With `host_tokens`, a host tier of that many tokens sits behind the device pool, run by the
-engine's own tier code (`cache.tiers.StorageTier` over a `HostStorage`, written back as the
-device evicts, loaded back before each request's match) with a copier that moves no KV. Its
-hits are counted apart: `host_hit_rate` of the prompt tokens came back from the host tier,
-and `hit_rate` counts both tiers.
+With `host_tokens` and `storage_tokens`, a host and a storage tier of that many tokens sit
+behind the device pool (`sim.tiers`: the engine's own tier code with no KV moved; the host
+written back as the device evicts, storage written through as each request ends, both
+loaded back before a request's match). Their hits are counted apart: `host_hit_rate` and
+`storage_hit_rate` of the prompt tokens came back from each, and `hit_rate` counts all tiers.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.errors import InvalidArgumentError
 from radixserve.sim.oracle import BeladyPolicy, served_sequence, unique_tokens
-from radixserve.sim.replay import check_capacity, lab_host_tier, make_policy, pool_size
+from radixserve.sim.replay import check_capacity, make_policy, pool_size
+from radixserve.sim.tiers import lab_tiers
 from radixserve.sim.traces import TraceRequest
 
 
@@ -58,6 +59,9 @@ class CacheOnlyResult:
     host_tokens: int = 0
     host_hit_tokens: int = 0
     host_hit_rate: float = 0.0
+    storage_tokens: int = 0
+    storage_hit_tokens: int = 0
+    storage_hit_rate: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -75,13 +79,16 @@ def simulate_cache(
     progress: bool = False,
     host_tokens: int = 0,
     host_page_size: int | None = None,
+    host_eviction_policy: str = "lru",
+    storage_tokens: int = 0,
 ) -> CacheOnlyResult:
     """Serve `trace` through a `RadixCache` alone, in arrival order, and count prompt hits.
 
     Give the capacity as `kv_tokens` or `cache_fraction` (percent of the trace's unique tokens;
     `unique` may pass a precomputed `unique_tokens(trace)`). With `check_invariants` the cache's
-    invariant check runs after every request. `host_tokens` adds a host tier (see the module
-    doc) with pages of `host_page_size` (default: `page_size`, or 16 tokens at page size 1).
+    invariant check runs after every request. `host_tokens` and `storage_tokens` add tiers (see
+    the module doc) with pages of `host_page_size` (default: `page_size`, or 16 tokens at page
+    size 1); the host tier evicts by `host_eviction_policy`.
     """
     if not trace:
         raise InvalidArgumentError("the trace is empty")
@@ -95,15 +102,13 @@ def simulate_cache(
     now = [0.0]  # a logical clock: one tick per request, so runs are deterministic
     cache = RadixCache(allocator, page_size=page_size, eviction_policy=policy, clock=lambda: now[0])
     on_admit = policy.on_admit if isinstance(policy, BeladyPolicy) else None
-    host = lab_host_tier(cache, host_tokens, host_page_size, page_size)
-    hits = prompt_tokens = evicted = host_hits = 0
+    tiers = lab_tiers(cache, host_tokens, storage_tokens, host_page_size, host_eviction_policy)
+    hits = prompt_tokens = evicted = 0
     started = time.perf_counter()
     for r in tqdm(trace, desc="cache-only", unit="req", disable=not progress, leave=False):
         now[0] += 1.0
-        if host is not None:
-            plan = host.plan_load(r.input_ids)
-            if plan is not None:
-                host_hits += host.admit(plan, host.fetch(plan))
+        if tiers is not None:
+            tiers.load(r.input_ids)
         match = cache.match_prefix(r.input_ids)
         hits += match.prefix_len
         prompt_tokens += len(r.input_ids)
@@ -124,9 +129,15 @@ def simulate_cache(
             if cached > match.prefix_len:
                 allocator.free(slots[: cached - match.prefix_len])
             cache.dec_lock_ref(match.last_node)
+        if tiers is not None:
+            tiers.finished(seq[:aligned])
         if check_invariants:
             cache.check_invariants()
+            if tiers is not None:
+                tiers.check_invariants()
     wall = time.perf_counter() - started
+    host_hits = tiers.host_hit_tokens if tiers is not None else 0
+    storage_hits = tiers.storage_hit_tokens if tiers is not None else 0
     return CacheOnlyResult(
         eviction_policy=eviction_policy,
         kv_tokens_requested=asked,
@@ -141,5 +152,8 @@ def simulate_cache(
         us_per_request=wall / len(trace) * 1e6,
         host_tokens=host_tokens,
         host_hit_tokens=host_hits,
-        host_hit_rate=host_hits / prompt_tokens if prompt_tokens else 0.0,
+        host_hit_rate=host_hits / max(1, prompt_tokens),
+        storage_tokens=storage_tokens,
+        storage_hit_tokens=storage_hits,
+        storage_hit_rate=storage_hits / max(1, prompt_tokens),
     )

@@ -11,7 +11,9 @@ its keys' tokens, and a decode step, which emits one key per request, stands for
 decode steps as the tokens that key holds, with the batch shrinking as shorter answers end.
 
 Loading a token's KV back from a host tier costs `host_load_per_token` (the default: about
-0.5 MB of fp16 KV per token of a 7B model over 25 GB/s of PCIe).
+0.5 MB of fp16 KV per token of a 7B model over 25 GB/s of PCIe), and from a storage tier
+`storage_load_per_token` (the default: the same 0.5 MB read at about 2.5 GB/s, a local NVMe
+disk or a fast network store).
 
 The defaults are of the order of a 7B model on one datacenter GPU; they are constants to
 change, not measurements.
@@ -35,12 +37,17 @@ class CostModel:
     decode_per_request: float = 5.0e-5
     decode_per_context_token: float = 2.0e-8
     host_load_per_token: float = 2.0e-5
+    storage_load_per_token: float = 2.0e-4
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise InvalidArgumentError(f"cost model {f.name} must be >= 0, got {value!r}")
+
+    def tier_load_time(self, host_tokens: int, storage_tokens: int) -> float:
+        """Seconds to load that many tokens' KV from the host and storage tiers."""
+        return host_tokens * self.host_load_per_token + storage_tokens * self.storage_load_per_token
 
     def prefill_time(self, new_tokens: int, prefix_tokens: int) -> float:
         pairs = new_tokens * (prefix_tokens + new_tokens / 2)

@@ -26,6 +26,7 @@ from radixserve.sched.request import Req, SamplingParams, pages
 from radixserve.sched.scheduler import Batch, ForwardMode, Scheduler, SchedulerConfig
 from radixserve.sim.costmodel import CostModel
 from radixserve.sim.oracle import BeladyPolicy, unique_tokens
+from radixserve.sim.tiers import lab_tiers
 from radixserve.sim.traces import TraceRequest
 
 _SYNTHETIC_BASE = 2**30
@@ -55,6 +56,8 @@ class ReplayConfig:
     check_invariants: bool = False
     host_cache_tokens: int = 0
     host_page_size: int | None = None
+    host_eviction_policy: str = "lru"
+    storage_cache_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_capacity(self.kv_cache_tokens, self.cache_fraction, "kv_cache_tokens")
@@ -191,6 +194,10 @@ class ReplayResult:
     host_hit_tokens: int = 0
     host_hit_rate: float = 0.0
     """Prompt tokens (keys) loaded from the host tier, over all prompt tokens."""
+    storage_cache_tokens: int = 0
+    storage_hit_tokens: int = 0
+    storage_hit_rate: float = 0.0
+    """Prompt tokens (keys) loaded from the storage tier, over all prompt tokens."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -394,19 +401,16 @@ def replay(
     if isinstance(policy, BeladyPolicy):
         on_admit = policy.on_admit
     scheduler = Scheduler(cache, scheduler_config(config, k), clock=clock, on_admit=on_admit)
-    host = lab_host_tier(cache, config.host_cache_tokens, config.host_page_size, config.page_size)
-    host_loaded = [0, 0]  # keys loaded from the host tier: all, and during the current step
-
-    def load_from_host(req: Req) -> None:
-        """As the engine does: before a request's first admission, on the engine's thread."""
-        plan = host.plan_load(req.token_ids(req.seq_len - 1))
-        if plan is not None:
-            loaded = host.admit(plan, host.fetch(plan))
-            host_loaded[0] += loaded
-            host_loaded[1] += loaded
-
-    if host is not None:
-        scheduler.before_admit = load_from_host
+    tiers = lab_tiers(
+        cache,
+        config.host_cache_tokens,
+        config.storage_cache_tokens,
+        config.host_page_size,
+        config.host_eviction_policy,
+    )
+    if tiers is not None:  # as the engine does: before a request's first admission
+        scheduler.before_admit = lambda req: tiers.load(req.token_ids(req.seq_len - 1))
+    charged = [0, 0]  # host and storage keys whose load time is already on the clock
     index = trace_index(trace)
     kind, value = parse_arrivals(config.arrivals)
     arrivals = arrival_times(trace, kind, value)
@@ -430,8 +434,11 @@ def replay(
             sent += 1
         batch = scheduler.step() if scheduler.has_work() else None
         wall += time.perf_counter() - tick
-        now[0] += config.cost_model.host_load_per_token * k * host_loaded[1]
-        host_loaded[1] = 0
+        if tiers is not None:
+            host = tiers.host_hit_tokens - charged[0]
+            storage = tiers.storage_hit_tokens - charged[1]
+            now[0] += config.cost_model.tier_load_time(host * k, storage * k)
+            charged[:] = tiers.host_hit_tokens, tiers.storage_hit_tokens
         if batch is not None:
             now[0] += batch_seconds(config.cost_model, batch, trace, index, k)
             tokens = scripted_tokens(batch, trace, index)
@@ -440,6 +447,8 @@ def replay(
             wall += time.perf_counter() - tick
             if config.check_invariants:
                 scheduler.check_invariants()
+                if tiers is not None:
+                    tiers.check_invariants()
         finished = scheduler.pop_finished()
         for req in finished:
             bar.update(1)
@@ -447,6 +456,8 @@ def replay(
             for child in blocked.pop(req.rid, ()):
                 heapq.heappush(ready, (max(arrivals[child], now[0]), child))
             outcomes.record(req, trace[index[req.rid]].answer_tokens)
+            if tiers is not None:
+                tiers.finished(req.token_ids())
         if batch is None and not finished:
             if ready and (clients is None or in_flight < clients):
                 now[0] = max(now[0], ready[0][0])
@@ -502,38 +513,9 @@ def replay(
         wall_seconds=elapsed,
         sched_cache_us_per_request=wall / n * 1e6,
         host_cache_tokens=config.host_cache_tokens,
-        host_hit_tokens=host_loaded[0],
-        host_hit_rate=host_loaded[0] / max(1, stats.prompt_tokens),
+        host_hit_tokens=charged[0],
+        host_hit_rate=charged[0] / max(1, stats.prompt_tokens),
+        storage_cache_tokens=config.storage_cache_tokens,
+        storage_hit_tokens=charged[1],
+        storage_hit_rate=charged[1] / max(1, stats.prompt_tokens),
     )
-
-
-class _NoKV:
-    """A copier for the lab: a page's payload is one byte per token, and nothing moves."""
-
-    def export(self, slots) -> bytes:
-        return bytes(len(slots))
-
-    def load(self, slots, payload: bytes) -> None:
-        pass
-
-
-def lab_host_tier(cache: RadixCache, tokens: int, page: int | None, cache_page: int):
-    """A host tier of `tokens` behind `cache`, run by the engine's tier code with no KV moved,
-    written back as the cache evicts; None for 0. Pages of `page` tokens (default the cache's
-    page, or 16 at page size 1)."""
-    if not tokens:
-        return None
-    page = page or (16 if cache_page == 1 else cache_page)
-    if not isinstance(tokens, int) or tokens < page:
-        raise InvalidArgumentError(
-            f"the host tier needs at least one page ({page} tokens), got {tokens!r}",
-            field="host_cache",
-        )
-    from radixserve.cache.storage import StorageIdentity
-    from radixserve.cache.storage.host import HostStorage
-    from radixserve.cache.tiers import StorageTier
-
-    store = HostStorage(StorageIdentity("lab", "none", "none", page), max_bytes=tokens)
-    tier = StorageTier(cache, store, _NoKV(), page)
-    cache.evict_listener = lambda node: tier.store(tier.plan_evicted(node))
-    return tier

@@ -35,13 +35,15 @@ def markdown_table(
     """One row per replay; the first percentage column is the hit rate over `unit` (tokens,
     or blocks with block keys)."""
     columns = COLUMNS
-    if any(getattr(r, "host_cache_tokens", 0) for r in results):
-        columns = (
-            *COLUMNS[:5],
-            ("host {unit}", lambda r: f"{r.host_cache_tokens:,}"),
-            ("host hit %", lambda r: f"{100 * r.host_hit_rate:.2f}"),
-            *COLUMNS[5:],
-        )
+    tiers = []
+    for tier in ("host", "storage"):
+        if any(getattr(r, f"{tier}_cache_tokens", 0) for r in results):
+            tiers += [
+                (f"{tier} {{unit}}", lambda r, t=tier: f"{getattr(r, f'{t}_cache_tokens'):,}"),
+                (f"{tier} hit %", lambda r, t=tier: f"{100 * getattr(r, f'{t}_hit_rate'):.2f}"),
+            ]
+    if tiers:
+        columns = (*COLUMNS[:5], *tiers, *COLUMNS[5:])
     lines = [
         "| " + " | ".join(name.format(unit=unit) for name, _ in columns) + " |",
         "|" + "|".join("---" for _ in columns) + "|",
@@ -54,23 +56,24 @@ def markdown_table(
 
 def cache_only_table(results: Sequence, unit: str, infinite_bound: float | None = None) -> str:
     """One row per pure cache simulation (`CacheOnlyResult`); hit rates are over `unit`."""
-    host = any(getattr(r, "host_tokens", 0) for r in results)
+    tiers = [t for t in ("host", "storage") if any(getattr(r, f"{t}_tokens", 0) for r in results)]
     head = f"| eviction | cache {unit} | cache % | hit rate % | evicted | µs/req |"
     rule = "|---|---|---|---|---|---|"
-    if host:
-        head += f" host {unit} | device hit % | host hit % |"
-        rule += "---|---|---|"
+    if tiers:
+        head += "".join(f" {t} {unit} |" for t in tiers) + " device hit % |"
+        head += "".join(f" {t} hit % |" for t in tiers)
+        rule += "---|" * (2 * len(tiers) + 1)
     lines = [head, rule]
     for r in results:
         line = (
             f"| {r.eviction_policy} | {r.kv_tokens:,} | {100 * r.cache_fraction:.2f} | "
             f"{100 * r.hit_rate:.2f} | {r.evicted_tokens:,} | {r.us_per_request:.1f} |"
         )
-        if host:
-            line += (
-                f" {r.host_tokens:,} | {100 * (r.hit_rate - r.host_hit_rate):.2f} | "
-                f"{100 * r.host_hit_rate:.2f} |"
-            )
+        if tiers:
+            rates = [getattr(r, f"{t}_hit_rate") for t in tiers]
+            line += "".join(f" {getattr(r, f'{t}_tokens'):,} |" for t in tiers)
+            line += f" {100 * (r.hit_rate - sum(rates)):.2f} |"
+            line += "".join(f" {100 * rate:.2f} |" for rate in rates)
         lines.append(line)
     if infinite_bound is not None:
         lines.append(f"\nInfinite-cache bound: {100 * infinite_bound:.2f}% hit rate.")

@@ -137,6 +137,23 @@ class StorageBackend(ABC):
         """Store each page's payload (a page already stored is kept as is); return how many
         leading pages are stored afterwards."""
 
+    # The tier asks through these: `chain` is a sequence's page hashes from its first page,
+    # and only the pages from `start` on are meant. A backend whose pages are self-describing
+    # (a chained hash names its whole prefix) ignores the head; one that keeps pages as a tree
+    # (the host tier) walks it.
+
+    def chain_exists(self, chain: Sequence[bytes], start: int = 0) -> int:
+        """`exists(chain[start:])`."""
+        return self.exists(chain[start:])
+
+    def chain_get(self, chain: Sequence[bytes], start: int = 0) -> list[bytes]:
+        """`get(chain[start:])`."""
+        return self.get(chain[start:])
+
+    def chain_set(self, chain: Sequence[bytes], start: int, payloads: Sequence[bytes]) -> int:
+        """`set(chain[start:], payloads)`."""
+        return self.set(chain[start:], payloads)
+
     @abstractmethod
     def clear(self) -> int:
         """Remove every page of this identity; return how many."""

@@ -1,0 +1,106 @@
+"""KV tiers behind a lab cache, run by the engine's own tier code with no KV moved.
+
+- A host tier of `host_tokens` is written back as the device pool evicts (the engine's
+  `write_back`), and orders its pages by `host_eviction` (any eviction policy name).
+- A storage tier of `storage_tokens` is written through as each request ends, as the engine's
+  storage tier is. It stands for a capped store with LRU cleanup (the file backend's).
+
+Before a request's first admission, what the host holds past the device's prefix is loaded,
+then what storage holds past that: the engine's order of tiers, both done at once here (the
+engine reads storage while the request waits in the queue; the scheduled replay charges the
+time as `CostModel.host_load_per_token` and `storage_load_per_token`). A page's payload is one
+byte per token, so tier sizes are in tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.storage import StorageIdentity
+from radixserve.cache.storage.host import HostStorage
+from radixserve.cache.tiers import StorageTier
+from radixserve.errors import InvalidArgumentError
+
+
+class _NoKV:
+    """A copier that moves nothing: a page's payload is one byte per token."""
+
+    def export(self, slots) -> bytes:
+        return bytes(len(slots))
+
+    def load(self, slots, payload: bytes) -> None:
+        pass
+
+
+class LabTiers:
+    """See the module doc. `page`: tier page in tokens (default the cache's page, or 16 at
+    page size 1). Counts the tokens each tier loaded into the device tree."""
+
+    def __init__(
+        self,
+        cache: RadixCache,
+        host_tokens: int = 0,
+        storage_tokens: int = 0,
+        page: int | None = None,
+        host_eviction: str = "lru",
+    ) -> None:
+        self.page = page or (16 if cache.page_size == 1 else cache.page_size)
+        self.host = self._tier(cache, host_tokens, "host_cache", host_eviction)
+        self.storage = self._tier(cache, storage_tokens, "storage_cache", "lru")
+        if self.host is not None:
+            host = self.host
+            cache.evict_listener = lambda node: host.store(host.plan_evicted(node))
+        self.host_hit_tokens = 0
+        self.storage_hit_tokens = 0
+
+    def _tier(self, cache: RadixCache, tokens: int, field: str, eviction: str):
+        if not tokens:
+            return None
+        if not isinstance(tokens, int) or tokens < self.page:
+            raise InvalidArgumentError(
+                f"a tier needs at least one page ({self.page} tokens), got {tokens!r}",
+                field=field,
+            )
+        identity = StorageIdentity("lab", "none", "none", self.page)
+        store = HostStorage(identity, max_bytes=tokens, eviction_policy=eviction)
+        return StorageTier(cache, store, _NoKV(), self.page)
+
+    def load(self, key: Sequence[int]) -> int:
+        """Before `key`'s first admission: load what the tiers hold past the device's prefix;
+        return the tokens loaded."""
+        loaded = 0
+        for tier in (self.host, self.storage):
+            if tier is None:
+                continue
+            plan = tier.plan_load(key)
+            gained = 0 if plan is None else tier.admit(plan, tier.fetch(plan))
+            loaded += gained
+            if tier is self.host:
+                self.host_hit_tokens += gained
+            else:
+                self.storage_hit_tokens += gained
+        return loaded
+
+    def finished(self, key: Sequence[int]) -> None:
+        """A request ended with `key` in the device tree: storage gets its new pages."""
+        if self.storage is not None:
+            self.storage.store(self.storage.plan_store(key))
+
+    def check_invariants(self) -> None:
+        for tier in (self.host, self.storage):
+            if tier is not None:
+                tier.storage.check_invariants()
+
+
+def lab_tiers(
+    cache: RadixCache,
+    host_tokens: int = 0,
+    storage_tokens: int = 0,
+    page: int | None = None,
+    host_eviction: str = "lru",
+) -> LabTiers | None:
+    """`LabTiers`, or None when neither tier is asked for."""
+    if not host_tokens and not storage_tokens:
+        return None
+    return LabTiers(cache, host_tokens, storage_tokens, page, host_eviction)
