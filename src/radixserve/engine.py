@@ -27,7 +27,7 @@ from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.storage import StorageIdentity, open_storage
 from radixserve.cache.storage.host import HostStorage
-from radixserve.cache.tiers import PrefetchCostModel, StorageIO, StorageTier
+from radixserve.cache.tiers import PrefetchCostModel, StorageIO, StorageTier, TieredCache
 from radixserve.config import EngineConfig
 from radixserve.errors import EngineError, InvalidArgumentError
 from radixserve.model.attention import AttentionMetadata, make_attention_backend
@@ -148,6 +148,9 @@ class Engine:
         self.storage_io = self._open_storage(identity) if config.hicache_storage else None
         if self.host_tier is not None:
             self.scheduler.before_admit = self._load_from_host
+        storage_tier = self.storage_io.tier if self.storage_io is not None else None
+        self.tiers = TieredCache(self.cache, self.host_tier, storage_tier)
+        """The device tree with its tiers: `tiers.match_prefix` reports each tier's length."""
         self.attention = make_attention_backend("torch", decode=config.decode_attention)
         self.compiled_decode = self._compile_decode() if config.compile else None
         self._live: dict[str, _Live] = {}

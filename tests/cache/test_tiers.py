@@ -141,6 +141,28 @@ def test_a_damaged_page_ends_the_load_there(tmp_path):
     check(fresh)
 
 
+def test_a_tiered_match_reports_each_tiers_length(tmp_path):
+    from radixserve.cache.storage.host import HostStorage
+    from radixserve.cache.tiers import TieredCache
+
+    key = list(range(1, 41))  # ten pages
+    write(tmp_path, key)
+    cache, copier, storage = make(tmp_path)
+    host = StorageTier(cache, HostStorage(IDENTITY, max_bytes=1 << 20), copier, PAGE)
+    tiers = TieredCache(cache, host, storage)
+    compute(cache, copier, key[:10])  # the device: two whole pages and two tokens
+    assert tiers.match_prefix(key) == (10, 0, 0)  # storage unknown to this process
+    assert tiers.match_prefix(key, probe_storage=True) == (10, 0, 30)  # to a page's end
+    compute(cache, copier, key[:24])
+    host.store(host.plan_store(key[:24]))
+    cache.evict(cache.total_size())
+    compute(cache, copier, key[:8])
+    match = tiers.match_prefix(key, probe_storage=True)
+    assert match == (8, 16, 16) and match.total == 40
+    assert tiers.match_prefix(key, extra_key="tenant", probe_storage=True) == (0, 0, 0)
+    check(cache)
+
+
 def test_the_storage_page_must_be_a_multiple_of_the_trees(tmp_path):
     cache = RadixCache(PagedTokenToKVPoolAllocator(16, page_size=4), page_size=4)
     storage = open_storage(f"file:{tmp_path}", IDENTITY)

@@ -148,6 +148,8 @@ def test_the_host_tier_brings_back_a_prefix_the_device_evicted(llama_dir, policy
     for other in OTHERS:  # these push the prefix out of the 160-token device pool
         run_host(engine, other)
     assert engine.cache.peek_prefix(prompt) < 16
+    match = engine.tiers.match_prefix([*prompt, 11, 12])
+    assert match.device < 16 and match.device + match.host == 96 and match.storage == 0
     result = run_host(engine, [*prompt, 11, 12])
     assert result.meta["host_tokens"] == 96  # six whole 16-token pages
     assert result.usage.cached_tokens >= 96

@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -144,6 +144,24 @@ class StorageTier:
         if len(hashes) - first < self.min_pages:
             return None
         return LoadPlan(key, extra_key, hashes, first)
+
+    def held_after(
+        self, key: Sequence[int], extra_key: Hashable | None, start: int, probe: bool = True
+    ) -> int:
+        """Tokens of `key` from token `start` on that this tier holds, in whole pages from the
+        page `start` falls in (so the count ends on a page boundary). Changes nothing. With
+        `probe` false, storage is not asked: the pages this tier stored or read count."""
+        key = np.asarray(key, dtype=TOKEN_DTYPE)
+        hashes = self._pages(key, extra_key)
+        first = start // self.page_size
+        if first >= len(hashes):
+            return 0
+        if probe:
+            held = self.storage.chain_exists(hashes, first)
+        else:
+            with self._known_lock:
+                held = leading_pages(hashes[first:], self._known)
+        return max(0, (first + held) * self.page_size - start)
 
     def fetch(self, plan: LoadPlan) -> list[bytes]:
         """The leading pages of the plan that storage holds (thread-safe as the backend is)."""
@@ -276,6 +294,49 @@ class StorageTier:
         self.backup_latency.observe(time.perf_counter() - started)
         self.stored_tokens += stored * self.page_size
         return stored
+
+
+class TierMatch(NamedTuple):
+    """How much of a prompt each tier holds: `device` tokens from the start, then `host`
+    tokens past those, then `storage` tokens past both."""
+
+    device: int
+    host: int
+    storage: int
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.storage
+
+
+class TieredCache:
+    """A `RadixCache` with the tiers behind it, matched as one cache.
+
+    `match_prefix` reports the length each tier holds, and changes nothing (no access time,
+    no split, no I/O unless `probe_storage`). The tree's own `match_prefix` stays the
+    device-only call the scheduler makes every step; loading is the tiers' `plan_load`,
+    `fetch` and `admit`.
+    """
+
+    def __init__(
+        self,
+        cache: RadixCache,
+        host: StorageTier | None = None,
+        storage: StorageTier | None = None,
+    ) -> None:
+        self.cache, self.host, self.storage = cache, host, storage
+
+    def match_prefix(
+        self, key: Sequence[int], extra_key: Hashable | None = None, *, probe_storage: bool = False
+    ) -> TierMatch:
+        """The device, host and storage lengths of `key`'s cached prefix; storage is counted
+        from the pages this process stored or read unless `probe_storage` asks the backend."""
+        device = self.cache.peek_prefix(key, extra_key)
+        host = self.host.held_after(key, extra_key, device) if self.host is not None else 0
+        storage = 0
+        if self.storage is not None:
+            storage = self.storage.held_after(key, extra_key, device + host, probe_storage)
+        return TierMatch(device, host, storage)
 
 
 PREFETCH_MODES = ("best_effort", "wait_complete", "timeout")
