@@ -4,6 +4,7 @@ it; a request waiting for its pages can be aborted; nothing leaks."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -195,3 +196,86 @@ def test_a_host_tier_in_a_smaller_dtype_holds_pages_at_half_the_bytes(llama_dir)
     result = run_host(half, [*LONG, 11, 12])
     assert result.meta["host_tokens"] == 96 and result.finish_reason == "length"
     idle_check(half)
+
+
+class FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other) -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event) -> None:
+        self.log.append(("wait_event", self.name, event.name))
+
+
+class FakeEvent:
+    def __init__(self, name: int) -> None:
+        self.name = name
+
+    def record(self, stream) -> None:
+        stream.log.append(("record", stream.name, self.name))
+
+    def query(self) -> bool:
+        return True
+
+
+class FakeCuda:
+    """`torch.cuda`'s stream and event calls on the CPU, for `LayerwiseCopier`: the work runs
+    at once and `log` records who waited on what. CUDA itself is not on this machine; this
+    checks the order of the calls the copy stream depends on."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.compute = FakeStream("compute", self.log)
+        self.events = 0
+
+    def Stream(self, device) -> FakeStream:
+        return FakeStream("copy", self.log)
+
+    def Event(self) -> FakeEvent:
+        self.events += 1
+        return FakeEvent(self.events)
+
+    def current_stream(self, device) -> FakeStream:
+        return self.compute
+
+    def stream(self, stream):
+        return contextlib.nullcontext()
+
+
+def test_tier_loads_are_waited_for_layer_by_layer_before_each_layers_attention(llama_dir):
+    from radixserve.model.kv import LayerwiseCopier
+
+    engine = host_engine(llama_dir, "write_through")
+    expected = run_host(host_engine(llama_dir, "write_through"), [*LONG, 11, 12]).token_ids
+    cuda = FakeCuda()
+    layers = engine.model.config.num_hidden_layers
+    engine.kv.copier = LayerwiseCopier(layers, engine.kv.k.device, cuda)
+    attention = engine.attention
+
+    class Logged:
+        def forward(self, q, k, v, meta):
+            cuda.log.append(("read", int(k.data_ptr())))
+            return attention.forward(q, k, v, meta)
+
+    engine.attention = Logged()
+    run_host(engine, LONG)
+    for other in OTHERS:
+        run_host(engine, other)
+    cuda.log.clear()
+    result = run_host(engine, [*LONG, 11, 12])
+    assert result.meta["host_tokens"] == 96 and result.token_ids == expected
+    loads = engine.kv.copier.loads
+    assert loads == 6  # one per 16-token host page
+    log = cuda.log
+    first_wait = next(i for i, entry in enumerate(log) if entry[0] == "wait_event")
+    # Each load: the copy stream waits for the compute stream, then records one event per
+    # layer and one when done; all before the forward first waits.
+    assert [e[0] for e in log[:first_wait]] == (["wait_stream"] + ["record"] * (layers + 1)) * 6
+    waits = [i for i, entry in enumerate(log) if entry[0] == "wait_event"]
+    reads = [i for i, entry in enumerate(log) if entry[0] == "read"]
+    assert len(waits) == layers  # once per layer, in the first forward after the loads
+    assert all(w < r for w, r in zip(waits, reads[:layers], strict=True))
+    assert all(reads[k] < waits[k + 1] for k in range(layers - 1))  # layer by layer
+    idle_check(engine)

@@ -74,6 +74,7 @@ class CompiledDecode:
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
         for tensor in (table, mask):
             torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        self.kv.wait_all()  # pages a tier loaded: the graph reads every layer
         with torch.no_grad():
             return self._graph(input_ids, positions, table, mask, self.kv.k, self.kv.v)
 

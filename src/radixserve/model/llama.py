@@ -208,6 +208,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
+        kv.wait_layer(self.layer)  # pages a tier loads into this layer land first
         kv.write(self.layer, meta.new_slots, k, v)
         out = backend.forward(q, kv.k[self.layer], kv.v[self.layer], meta)
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.head_dim))
