@@ -74,13 +74,21 @@ def test_each_policy_orders_the_host_tier(policy, kept):
     store.check_invariants()
 
 
-def test_a_chain_whose_head_is_missing_is_not_stored():
+def test_a_run_stored_without_its_head_joins_up_when_the_head_comes():
+    """The device may still hold a chain's head: its tail is stored alone, found behind
+    that head, and read as one chain once the head is stored too."""
     store = host(8)
     a = chain(1, 4)
-    assert store.chain_set(a, 2, payloads(a)[2:]) == 0
-    assert len(store) == 0
+    assert store.chain_set(a, 2, payloads(a)[2:]) == 2
+    assert store.exists(a) == 0 and store.chain_exists(a, 2) == 2
+    assert store.chain_get(a, 2) == payloads(a)[2:]
     store.set(a[:2], payloads(a)[:2])
-    assert store.chain_set(a, 2, payloads(a)[2:]) == 2 and store.exists(a) == 4
+    assert store.exists(a) == 4 and store.get(a) == payloads(a)
+    assert store.chain_exists(a, 1) == 3 and store.chain_get(a, 1) == payloads(a)[1:]
+    b = chain(2, 3)
+    store.set(b[:1], payloads(b)[:1])
+    assert store.chain_set(b, 2, payloads(b)[2:]) == 1  # a gap at page 1
+    assert store.exists(b) == 1 and store.chain_exists(b, 2) == 1
     store.check_invariants()
 
 
@@ -115,9 +123,9 @@ def test_bad_arguments_are_refused():
         store.chain_set(a, 1, [b"short"])
 
 
-def test_write_back_stores_the_evicted_nodes_ancestors_the_host_lacks():
-    """A leaf evicted before its parent: its pages go to the host behind its parent's pages,
-    copied while the parent is still on the device, so the whole prefix loads back."""
+def test_write_back_stores_only_what_the_device_evicted_and_the_runs_join():
+    """A leaf evicted before its parent: only its pages go to the host (the device still
+    holds the parent's); when the parent is evicted too, the whole prefix loads back."""
 
     class Copier:
         def __init__(self) -> None:
@@ -142,8 +150,12 @@ def test_write_back_stores_the_evicted_nodes_ancestors_the_host_lacks():
         cache.insert(key, np.concatenate([match.indices, slots]))
     cache.evict(8)  # only the tail leaves the device
     full = np.concatenate([shared, tail])
-    assert store.exists(hash_pages(full, PAGE)) == 4
-    cache.evict(8)
+    hashes = hash_pages(full, PAGE)
+    assert store.exists(hashes) == 0 and store.chain_exists(hashes, 2) == 2 and len(store) == 2
+    plan = tier.plan_load(full)
+    assert tier.admit(plan, tier.fetch(plan)) == 8  # behind the device's head
+    cache.evict(16)
+    assert store.exists(hashes) == 4 and len(store) == 4
     assert cache.total_size() == 0
     plan = tier.plan_load(full)
     assert tier.admit(plan, tier.fetch(plan)) == 16

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from radixserve.cache import RadixCache, TokenToKVPoolAllocator
 from radixserve.cache.hashing import hash_pages
@@ -51,6 +51,11 @@ class Tiers(RuleBasedStateMachine):
         self.tier = StorageTier(self.cache, self.host, self.copier, PAGE)
         self.write_back = False
         self.page_tokens: dict[bytes, np.ndarray] = {}  # every page hash seen -> its tokens
+
+    @initialize(policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "slru", "wgd"]))
+    def host_policy(self, policy):
+        self.host = HostStorage(IDENTITY, max_bytes=12 * PAGE * 8, eviction_policy=policy)
+        self.tier = StorageTier(self.cache, self.host, self.copier, PAGE)
 
     @rule(write_back=st.booleans())
     def policy(self, write_back):

@@ -263,6 +263,10 @@ class RadixCache:
         indices = values[0] if len(values) == 1 else np.concatenate(values)
         return MatchResult(indices, node, pos // TOKEN_BYTES)
 
+    def has_namespace(self, extra_key: Hashable | None) -> bool:
+        """Whether the tree holds anything under `extra_key` (always true for None)."""
+        return extra_key in self._roots
+
     def peek_prefix(self, key: object, extra_key: Hashable | None = None) -> int:
         """The length `match_prefix` would return, changing nothing at all."""
         return self.peek_node(key, extra_key)[1]

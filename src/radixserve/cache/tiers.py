@@ -262,8 +262,7 @@ class StorageTier:
 
     def plan_evicted(self, node) -> StorePlan:
         """Copy out the storage pages that end inside `node`'s edge (a node `evict` is about
-        to remove; its path is still in the tree), those the store lacks, and any pages
-        before them on the path that it lacks too (a store keeps whole chains)."""
+        to remove; its path is still in the tree), from the first one the store lacks."""
         keys, values, edge = [], [], len(node.value)
         while node.parent is not None:
             keys.append(node.key)
@@ -277,7 +276,7 @@ class StorageTier:
             return _NOTHING
         key = np.frombuffer(b"".join(reversed(keys)), dtype=TOKEN_DTYPE)
         chain = hash_pages(key[: last * p], p, extra_key)
-        present = self.storage.chain_exists(chain)
+        present = first + self.storage.chain_exists(chain, first)
         if present >= last:
             return _NOTHING
         slots = np.concatenate(values[::-1])

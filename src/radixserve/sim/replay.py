@@ -401,12 +401,19 @@ def replay(
     if isinstance(policy, BeladyPolicy):
         on_admit = policy.on_admit
     scheduler = Scheduler(cache, scheduler_config(config, k), clock=clock, on_admit=on_admit)
+    cost = config.cost_model
+
+    def storage_worth(tokens: int, prefix: int) -> bool:
+        """Whether reading `tokens` keys from storage beats recomputing them."""
+        return cost.tier_load_time(0, k * tokens) < cost.prefill_time(k * tokens, k * prefix)
+
     tiers = lab_tiers(
         cache,
         config.host_cache_tokens,
         config.storage_cache_tokens,
         config.host_page_size,
         config.host_eviction_policy,
+        storage_worth,
     )
     if tiers is not None:  # as the engine does: before a request's first admission
         scheduler.before_admit = lambda req: tiers.load(req.token_ids(req.seq_len - 1))

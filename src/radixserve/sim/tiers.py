@@ -8,13 +8,15 @@
 Before a request's first admission, what the host holds past the device's prefix is loaded,
 then what storage holds past that: the engine's order of tiers, both done at once here (the
 engine reads storage while the request waits in the queue; the scheduled replay charges the
-time as `CostModel.host_load_per_token` and `storage_load_per_token`). A page's payload is one
-byte per token, so tier sizes are in tokens.
+time as `CostModel.host_load_per_token` and `storage_load_per_token`). A storage read is
+skipped when `storage_worth(tokens, prefix)` says recomputing is faster, as the engine's
+prefetch cost model decides. A page's payload is one byte per token, so tier sizes are in
+tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.storage import StorageIdentity
@@ -44,7 +46,9 @@ class LabTiers:
         storage_tokens: int = 0,
         page: int | None = None,
         host_eviction: str = "lru",
+        storage_worth: Callable[[int, int], bool] | None = None,
     ) -> None:
+        self.storage_worth = storage_worth
         self.page = page or (16 if cache.page_size == 1 else cache.page_size)
         self.host = self._tier(cache, host_tokens, "host_cache", host_eviction)
         self.storage = self._tier(cache, storage_tokens, "storage_cache", "lru")
@@ -69,18 +73,22 @@ class LabTiers:
     def load(self, key: Sequence[int]) -> int:
         """Before `key`'s first admission: load what the tiers hold past the device's prefix;
         return the tokens loaded."""
-        loaded = 0
-        for tier in (self.host, self.storage):
-            if tier is None:
-                continue
-            plan = tier.plan_load(key)
-            gained = 0 if plan is None else tier.admit(plan, tier.fetch(plan))
-            loaded += gained
-            if tier is self.host:
-                self.host_hit_tokens += gained
-            else:
-                self.storage_hit_tokens += gained
-        return loaded
+        host = self._load(self.host, key)
+        self.host_hit_tokens += host
+        storage = self._load(self.storage, key, self.storage_worth)
+        self.storage_hit_tokens += storage
+        return host + storage
+
+    @staticmethod
+    def _load(tier: StorageTier | None, key, worth=None) -> int:
+        plan = None if tier is None else tier.plan_load(key)
+        if plan is None:
+            return 0
+        if worth is not None:
+            tokens = (len(plan.hashes) - plan.first) * tier.page_size
+            if not worth(tokens, plan.first * tier.page_size):
+                return 0
+        return tier.admit(plan, tier.fetch(plan))
 
     def finished(self, key: Sequence[int]) -> None:
         """A request ended with `key` in the device tree: storage gets its new pages."""
@@ -99,8 +107,9 @@ def lab_tiers(
     storage_tokens: int = 0,
     page: int | None = None,
     host_eviction: str = "lru",
+    storage_worth: Callable[[int, int], bool] | None = None,
 ) -> LabTiers | None:
     """`LabTiers`, or None when neither tier is asked for."""
     if not host_tokens and not storage_tokens:
         return None
-    return LabTiers(cache, host_tokens, storage_tokens, page, host_eviction)
+    return LabTiers(cache, host_tokens, storage_tokens, page, host_eviction, storage_worth)

@@ -1,14 +1,17 @@
-"""The host tier's store: pages in this process's memory, in a radix tree of page chains that
+"""The host tier's store: pages in this process's memory, in a radix tree of page runs that
 an eviction policy of the device tree orders.
 
-A page is only of use behind the pages before it, so the store keeps whole chains: a page is
-stored only behind its chain's head (`chain_set`), and eviction takes a chain's last pages
-first (the leaves of the tree, in the order the policy gives: `lru`, `lfu`, `fifo`, `slru`,
-any name `make_eviction_policy` knows). The tree is an ordinary `RadixCache` whose "tokens"
-are page ids (each page hash's first 8 bytes, two int32 tokens a page), so everything the
-device tree guarantees holds here too, `check_invariants` included. A page read back is
-checked against its full hash, so two hashes that share 8 bytes read as a miss, never as the
-other's KV.
+Pages are stored in runs of consecutive pages of a chain. A run that starts at page j hangs
+from the hash of page j-1 (its namespace in the tree; the first page's run from none), so a
+write-back stores only what the device evicted, not the pages before it that the device
+still holds, and a later write of those pages joins up with it: a chain is read across runs.
+Within a run, eviction takes the last pages first (the tree's leaves), in the order the
+policy gives (`lru`, `lfu`, `fifo`, `slru`, any name `make_eviction_policy` knows), so what
+stays of a run still loads behind its head. The tree is an ordinary `RadixCache` whose
+"tokens" are page ids (each page hash's first 8 bytes, two int32 tokens a page), so
+everything the device tree guarantees holds here too, `check_invariants` included. A page
+read back is checked against its full hash, so two hashes that share 8 bytes read as a miss,
+never as the other's KV.
 
 It sits behind the batch interface of the persistent backends, so the tier code that loads
 storage pages into device slots loads host pages the same way. Nothing is framed: the bytes
@@ -36,6 +39,11 @@ _ID_TOKENS = 2  # int32 tokens of a page id
 def page_ids(chain: Sequence[bytes]) -> np.ndarray:
     """The host tree's key for a chain of page hashes."""
     return np.frombuffer(b"".join(h[:8] for h in chain), dtype="<i4")
+
+
+def _namespace(chain: Sequence[bytes], first: int) -> bytes | None:
+    """The tree namespace of a run that starts at page `first`."""
+    return chain[first - 1] if first else None
 
 
 class HostStorage(StorageBackend):
@@ -100,20 +108,26 @@ class HostStorage(StorageBackend):
         with self._lock:
             if self._tree is None:
                 return 0
-            held = self._tree.peek_prefix(page_ids(chain)) // _ID_TOKENS
-            return max(0, held - start)
+            held = self._held(chain, start)
+            return held[-1][1] - start if held else 0
 
     def chain_get(self, chain: Sequence[bytes], start: int = 0) -> list[bytes]:
         out: list[bytes] = []
         with self._lock:
-            if self._tree is not None and start < len(chain):
-                match = self._tree.match_prefix(page_ids(chain))
-                pages = match.indices[::_ID_TOKENS] // _ID_TOKENS
-                for k in range(start, len(pages)):
-                    digest, payload = self._pages[int(pages[k])]
-                    if digest != chain[k]:
-                        break  # two hashes sharing an id: the other's KV is not ours
-                    out.append(payload)
+            if self._tree is not None:
+                pos = start
+                for first, end in self._held(chain, start):
+                    ids = page_ids(chain[first:end])
+                    match = self._tree.match_prefix(ids, _namespace(chain, first))
+                    pages = match.indices[::_ID_TOKENS] // _ID_TOKENS
+                    for k in range(pos, end):
+                        digest, payload = self._pages[int(pages[k - first])]
+                        if digest != chain[k]:
+                            break  # two hashes sharing an id: the other's KV is not ours
+                        out.append(payload)
+                        pos += 1
+                    if pos < end:
+                        break
             if len(out) < len(chain) - start:
                 self.stats.misses += 1
         self.stats.hits += len(out)
@@ -121,10 +135,10 @@ class HostStorage(StorageBackend):
         return out
 
     def chain_set(self, chain: Sequence[bytes], start: int, payloads: Sequence[bytes]) -> int:
-        """Store `payloads` as chain[start:] behind chain[:start], which must be stored
-        already (else nothing is); pages already stored are kept. When the cap leaves no
-        room for all, the leading ones that fit are stored. Returns how many of chain[start:]
-        are stored afterwards."""
+        """Store `payloads` as chain[start:], whether or not chain[:start] is stored (the
+        device may hold it); pages already stored are kept. When the cap leaves no room for
+        all, the leading ones that fit are stored. Returns how many of chain[start:] are
+        stored afterwards."""
         if len(chain) - start != len(payloads) or start < 0:
             raise InvalidArgumentError("set needs one payload per page past the chain's head")
         if not payloads:
@@ -140,30 +154,56 @@ class HostStorage(StorageBackend):
                 self._page_len = size
             return self._insert(chain, start, payloads)
 
+    def _held(self, chain: Sequence[bytes], start: int) -> list[tuple[int, int]]:
+        """The stored runs (first page, end page) that hold chain[start:end] without a gap,
+        in order; empty when chain[start] is not stored.
+
+        Pages are stored in runs: a run that starts at page j hangs from the hash of page j-1
+        (its namespace in the tree), so a write-back stores only what the device evicted,
+        not the pages before it that the device still holds. A chain may span several runs.
+        """
+        tree, runs, pos = self._tree, [], start
+        while pos < len(chain):
+            best = None
+            for first in range(pos, -1, -1):
+                namespace = _namespace(chain, first)
+                if not tree.has_namespace(namespace):
+                    continue
+                end = first + tree.peek_prefix(page_ids(chain[first:]), namespace) // _ID_TOKENS
+                if end > pos and (best is None or end > best[1]):
+                    best = (first, end)
+            if best is None:
+                break
+            runs.append(best)
+            pos = best[1]
+        return runs
+
     def _insert(self, chain: Sequence[bytes], start: int, payloads: Sequence[bytes]) -> int:
         tree = self._tree
-        ids = page_ids(chain)
-        match = tree.match_prefix(ids, count_hit=False)
-        held = match.prefix_len // _ID_TOKENS
-        if held < start:
-            return 0  # the head was evicted (or never stored): the pages would be unreachable
-        new = len(chain) - held
-        tree.inc_lock_ref(match.last_node)  # making room must not evict the head
+        held = self._held(chain, max(0, start - 1))  # a run that ends at chain[start] grows
+        first, end = held[-1] if held else (start, start)  # the run the new pages extend
+        namespace = _namespace(chain, first)
+        ids = page_ids(chain[first:])
+        match = tree.match_prefix(ids[: (end - first) * _ID_TOKENS], namespace, count_hit=False)
+        new = len(chain) - end
+        tree.inc_lock_ref(match.last_node)  # making room must not evict the run we extend
         try:
             short = new * _ID_TOKENS - tree.allocator.available_size()
             if short > 0:
                 tree.evict(short)
             new = min(new, tree.allocator.available_size() // _ID_TOKENS)
             slots = tree.allocator.alloc(new * _ID_TOKENS)
-            end = held + new
-            for k, page in zip(range(held, end), slots[::_ID_TOKENS] // _ID_TOKENS, strict=True):
+            for k, page in zip(
+                range(end, end + new), slots[::_ID_TOKENS] // _ID_TOKENS, strict=True
+            ):
                 self._pages[int(page)] = (chain[k], payloads[k - start])
-            tree.insert(ids[: end * _ID_TOKENS], np.concatenate([match.indices, slots]))
+            value = np.concatenate([match.indices, slots])
+            tree.insert(ids[: len(value)], value, extra_key=namespace)
         finally:
             tree.dec_lock_ref(match.last_node)
         self.stats.stored += new
         self.stats.bytes_written += new * self._page_len
-        return end - start
+        return end + new - start
 
     def _new_tree(self, pages: int) -> RadixCache:
         allocator = PagedTokenToKVPoolAllocator(max(1, pages) * _ID_TOKENS, _ID_TOKENS)
