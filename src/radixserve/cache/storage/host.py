@@ -163,13 +163,14 @@ class HostStorage(StorageBackend):
         not the pages before it that the device still holds. A chain may span several runs.
         """
         tree, runs, pos = self._tree, [], start
+        ids = page_ids(chain)
         while pos < len(chain):
             best = None
             for first in range(pos, -1, -1):
                 namespace = _namespace(chain, first)
                 if not tree.has_namespace(namespace):
                     continue
-                end = first + tree.peek_prefix(page_ids(chain[first:]), namespace) // _ID_TOKENS
+                end = first + tree.peek_prefix(ids[first * _ID_TOKENS :], namespace) // _ID_TOKENS
                 if end > pos and (best is None or end > best[1]):
                     best = (first, end)
             if best is None:
