@@ -183,3 +183,16 @@ def test_writing_without_probing_storage_skips_what_it_knows(tmp_path):
     written = other_tier.storage.stats.stored
     assert other_tier.store(plan) == 3 and other_tier.storage.stats.stored == written
     assert other_tier.plan_store(key, probe=False).hashes == []
+
+
+def test_after_a_clear_the_tier_writes_its_pages_again(tmp_path):
+    """Regression: a cleared store left the pages in the tier's memory of what it stored, so
+    writes that skip probing storage never wrote them again."""
+    key = list(range(700, 712))
+    cache, copier, tier = make(tmp_path)
+    compute(cache, copier, key)
+    assert tier.store(tier.plan_store(key, probe=False)) == 3
+    assert tier.clear() == 3
+    assert tier.storage.exists(hash_pages(key, PAGE)) == 0
+    assert tier.store(tier.plan_store(key, probe=False)) == 3
+    assert tier.storage.exists(hash_pages(key, PAGE)) == 3

@@ -49,6 +49,9 @@ def test_storage_tier_through_the_server(tiny_model_dir, tmp_path):
         assert flushed == {"flushed_storage_pages": 2}
         assert not list(tmp_path.rglob("*.kv"))
         assert second.engine.cache.total_size() > 0  # the device tier is another scope
+        _generate(second)  # the same prefix again: its pages go back to storage
+        second.engine.storage_io.flush(30)
+        assert len(list(tmp_path.rglob("*.kv"))) == 2
     finally:
         second.stop()
 

@@ -239,6 +239,14 @@ class StorageTier:
         ]
         return StorePlan(hashes, present, payloads)
 
+    def clear(self) -> int:
+        """Empty the store (this identity's pages) and forget what this tier knew of it;
+        return how many pages were removed."""
+        with self._known_lock:
+            self._known.clear()
+            self._seen.clear()
+            return self.storage.clear()
+
     def _remember(self, hashes: Sequence[bytes]) -> None:
         with self._known_lock:
             remember_pages(self._known, hashes, 1 << 20)

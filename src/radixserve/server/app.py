@@ -9,6 +9,7 @@ its whole request aborted within one engine step.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -130,16 +131,22 @@ def create_app(
                 flushed["flushed_tokens"] = engine.cache.total_size()
                 engine.cache.reset()
             if scope in ("host", "all") and engine.host_tier is not None:
-                flushed["flushed_host_pages"] = engine.host_tier.storage.clear()
-            if scope in ("storage", "all") and engine.storage_io is not None:
-                engine.storage_io.flush(30)
-                flushed["flushed_storage_pages"] = engine.storage_io.tier.storage.clear()
+                flushed["flushed_host_pages"] = engine.host_tier.clear()
             return flushed
 
+        def flush_storage() -> dict:
+            """Off the engine thread: removing a store's files takes I/O."""
+            storage_io = worker.engine.storage_io
+            if scope not in ("storage", "all") or storage_io is None:
+                return {}
+            storage_io.flush(30)  # writes already started land first, then go
+            return {"flushed_storage_pages": storage_io.tier.clear()}
+
         try:
-            return await worker.call(flush)
+            flushed = await worker.call(flush)
         except BusyError as exc:
             raise APIError(409, str(exc)) from None
+        return flushed | await asyncio.to_thread(flush_storage)
 
     return app
 
