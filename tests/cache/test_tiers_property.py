@@ -52,7 +52,7 @@ class Tiers(RuleBasedStateMachine):
         self.write_back = False
         self.page_tokens: dict[bytes, np.ndarray] = {}  # every page hash seen -> its tokens
 
-    @initialize(policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "slru", "wgd"]))
+    @initialize(policy=st.sampled_from(["lru", "lfu", "fifo", "mru", "slru", "wgd", "adaptive"]))
     def host_policy(self, policy):
         self.host = HostStorage(IDENTITY, max_bytes=12 * PAGE * 8, eviction_policy=policy)
         self.tier = StorageTier(self.cache, self.host, self.copier, PAGE)
