@@ -57,16 +57,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidArgumentError(f"{name} must be an integer >= 1 or None, got {value!r}")
-        if self.eviction_policy not in available_eviction_policies():
-            raise InvalidArgumentError(
-                f"eviction_policy must be one of {available_eviction_policies()}, "
-                f"got {self.eviction_policy!r}"
-            )
-        if self.hicache_eviction_policy not in available_eviction_policies():
-            raise InvalidArgumentError(
-                f"hicache_eviction_policy must be one of {available_eviction_policies()}, "
-                f"got {self.hicache_eviction_policy!r}"
-            )
+        for name in ("eviction_policy", "hicache_eviction_policy"):
+            if getattr(self, name) not in available_eviction_policies():
+                raise InvalidArgumentError(
+                    f"{name} must be one of {available_eviction_policies()}, "
+                    f"got {getattr(self, name)!r}"
+                )
         make_schedule_policy(self.schedule_policy)
         if self.weight_format not in WEIGHT_FORMATS:
             raise InvalidArgumentError(

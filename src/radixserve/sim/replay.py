@@ -444,7 +444,7 @@ def replay(
         if tiers is not None:
             host = tiers.host_hit_tokens - charged[0]
             storage = tiers.storage_hit_tokens - charged[1]
-            now[0] += config.cost_model.tier_load_time(host * k, storage * k)
+            now[0] += cost.tier_load_time(host * k, storage * k)
             charged[:] = tiers.host_hit_tokens, tiers.storage_hit_tokens
         if batch is not None:
             now[0] += batch_seconds(config.cost_model, batch, trace, index, k)

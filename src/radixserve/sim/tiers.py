@@ -102,14 +102,10 @@ class LabTiers:
 
 
 def lab_tiers(
-    cache: RadixCache,
-    host_tokens: int = 0,
-    storage_tokens: int = 0,
-    page: int | None = None,
-    host_eviction: str = "lru",
-    storage_worth: Callable[[int, int], bool] | None = None,
+    cache: RadixCache, host_tokens: int = 0, storage_tokens: int = 0, *args, **options
 ) -> LabTiers | None:
-    """`LabTiers`, or None when neither tier is asked for."""
+    """`LabTiers(cache, host_tokens, storage_tokens, ...)`, or None when neither tier is
+    asked for."""
     if not host_tokens and not storage_tokens:
         return None
-    return LabTiers(cache, host_tokens, storage_tokens, page, host_eviction, storage_worth)
+    return LabTiers(cache, host_tokens, storage_tokens, *args, **options)

@@ -72,21 +72,11 @@ class HostStorage(StorageBackend):
 
     # -- sizes ------------------------------------------------------------------------------
 
-    @property
-    def capacity_pages(self) -> int:
-        """Pages that fit (0 until the first write says how big a page is)."""
-        return self._tree.allocator.num_pages if self._tree is not None else 0
-
     def __len__(self) -> int:
         return self._tree.total_size() // _ID_TOKENS if self._tree is not None else 0
 
     def size_bytes(self) -> int:
         return len(self) * self._page_len
-
-    @property
-    def tree(self) -> RadixCache | None:
-        """The tree of stored chains (for inspection; None before the first write)."""
-        return self._tree
 
     def items(self) -> list[tuple[bytes, bytes]]:
         """(hash, payload) of every stored page."""
