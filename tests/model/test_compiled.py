@@ -135,3 +135,37 @@ def test_a_failing_graph_falls_back_to_eager_without_losing_the_step(llama_dir, 
         assert staggered(engine) == eager
     assert engine.compiled_decode is None
     assert "simulated compiler failure" in caplog.text
+
+
+def test_compiled_decode_reaches_the_onednn_dense_copies(llama_dir, monkeypatch):
+    """int8 layers hand batches of 4 rows to their oneDNN-blocked bfloat16 copies, which the
+    graph reaches through the `radixserve::dense_linear` op; its logits are the eager
+    forward's within bfloat16 rounding. (A threshold of 3 makes dynamo 2.13 fail on the
+    nested layer region, with or without the blocked copies; the engine's measured threshold
+    is 2, 4, 8, 16 or 32.)"""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    from radixserve.model import quant
+
+    monkeypatch.setattr(quant, "dense_rows_threshold", lambda: 4)
+    engine = make_engine(llama_dir, weight_format="int8", compile=True, max_running_requests=4)
+    assert engine.compiled_decode is not None
+    assert engine.model.lm_head.dense_blocked is not None
+    reqs = prefilled(engine, [[3, 4, 5, 6, 7], [9, 8], list(range(10, 50)), [1, 2, 3]])
+    ids = torch.tensor([r.output_ids[-1] for r in reqs])
+    prefixes = [r.kv_indices() for r in reqs]
+    lookups = {"n": 0}
+
+    class Counted(dict):
+        def __getitem__(self, key):
+            lookups["n"] += 1
+            return super().__getitem__(key)
+
+    monkeypatch.setattr(quant, "_BLOCKED", Counted(quant._BLOCKED))
+    positions = torch.tensor([len(p) for p in prefixes])
+    logits, _, _ = engine.compiled_decode._run(ids, positions, prefixes)
+    assert lookups["n"] == 9  # 4 layers a block, 2 blocks, and the LM head
+    new_slots = np.arange(engine.kv.num_slots - len(reqs), engine.kv.num_slots)
+    reference = forward_decode(engine, ids, prefixes, new_slots).float()
+    scale = reference.abs().max()
+    assert (logits.float() - reference).abs().max() < 2e-2 * scale

@@ -16,6 +16,7 @@ from radixserve.model.quant import (
     Int4Linear,
     Int8Linear,
     gguf_int4_groups,
+    pack_dense_copies,
     resolve_weight_format,
 )
 
@@ -205,3 +206,32 @@ def test_the_dense_copy_for_large_batches_computes_the_same_layer():
         assert relative_error(packed_only(x), reference) < LAYER_TOLERANCE
         reference8 = x.double() @ torch.from_numpy(int8.dequantize()).double().T
         assert relative_error(int8(x), reference8) < LAYER_TOLERANCE
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_dense_copy_in_onednn_layout_gives_the_same_bits(bias):
+    """`pack_dense_copies` changes where large batches run, never their numbers."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    weight = RNG.standard_normal((96, 128)).astype(np.float32)
+    b = torch.randn(96) if bias else None
+    model = torch.nn.Sequential(
+        Int4Linear(Int4Groups.quantize(weight), b, torch.bfloat16, dense_from_rows=4),
+        Int8Linear(weight[:, :96].copy(), None, torch.bfloat16, dense_from_rows=4),
+    )
+    xs = [torch.randn(rows, 128).bfloat16() for rows in (1, 3, 4, 17, 64)]
+    before = [model(x) for x in xs]
+    assert pack_dense_copies(model) == 2
+    assert all(m.dense_t is None and m.dense_blocked is not None for m in model)
+    for x, want in zip(xs, before, strict=True):
+        assert torch.equal(model(x), want)
+    assert pack_dense_copies(model) == 0  # already packed: nothing left to do
+
+
+def test_an_eager_engine_on_the_embedded_model_packs_its_dense_copies():
+    engine = make_engine(threads=2, kv_cache_tokens=1024)
+    layers = [m for m in engine.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    if not layers or not torch.backends.mkldnn.is_available():
+        pytest.skip("auto chose float32 here, or no oneDNN: nothing to pack")
+    assert all(m.dense_blocked is not None and m.dense_t is None for m in layers)

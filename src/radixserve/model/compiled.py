@@ -95,5 +95,5 @@ def warm_up_batch_sizes(model: LlamaForCausalLM, max_running: int) -> tuple[int,
     """One batch size per graph the engine can meet: 1, 2, and the first size at which packed
     linear layers switch to their dense copy."""
     sizes = {1, 2}
-    sizes |= {m.dense_from_rows for m in model.modules() if getattr(m, "dense_t", None) is not None}
+    sizes |= {m.dense_from_rows for m in model.modules() if getattr(m, "dense_from_rows", 0)}
     return tuple(sorted(s for s in sizes if s <= max_running))

@@ -19,8 +19,10 @@ bfloat16. The int kernels are CPU-only and are fast only with bfloat16 activatio
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,12 +93,37 @@ def gguf_int4_groups(data: np.ndarray, kind: str) -> Int4Groups:
     return Int4Groups(q.reshape(rows, -1), d, zero, source=kind)
 
 
+# oneDNN-blocked weights by id: torch.compile cannot trace that layout, so graphs reach it
+# through `radixserve::dense_linear` with the id as a tensor input (the module holds the
+# weight; a layer that is freed leaves this table by itself).
+_BLOCKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_blocked_ids = itertools.count()
+
+
+@torch.library.custom_op("radixserve::dense_linear", mutates_args=())
+def dense_linear(x: torch.Tensor, weight_id: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x @ w.T with w in oneDNN's blocked layout, found by `weight_id`; the same bits as the
+    plain matmul."""
+    weight = _BLOCKED[int(weight_id)]
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+@dense_linear.register_fake
+def _(x, weight_id, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
 class _PackedLinear(nn.Module):
     """A packed linear that hands batches of `dense_from_rows` rows or more to a bfloat16
     copy of its weight: the packed kernels cost time in proportion to the rows, a dense
-    matmul does not (`dense_rows_threshold`)."""
+    matmul does not (`dense_rows_threshold`).
+
+    The dense copy is a plain [in, out] tensor (`dense_t`) or, after `pack_dense_copies`,
+    oneDNN's blocked layout of it, which computes the same numbers faster, eager or compiled.
+    """
 
     dense_t: torch.Tensor | None
+    dense_blocked: torch.Tensor | None = None
     dense_from_rows: int
 
     def keep_dense(self, weight: np.ndarray, dtype: torch.dtype, from_rows: int | None) -> None:
@@ -106,11 +133,29 @@ class _PackedLinear(nn.Module):
         self.dense_from_rows = from_rows or 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense_t is not None and x.shape[0] >= self.dense_from_rows:
+        if self.dense_blocked is not None and x.shape[0] >= self.dense_from_rows:
+            y = dense_linear(x, self.blocked_id, self.out_features)
+        elif self.dense_t is not None and x.shape[0] >= self.dense_from_rows:
             y = x @ self.dense_t
         else:
             y = self.packed_forward(x)
         return y if self.bias is None else y + self.bias
+
+    def pack_dense(self, rows_hint: int) -> bool:
+        """Move the dense copy into oneDNN's blocked layout; False (nothing changed) where
+        there is no dense copy, or this torch build or CPU has no oneDNN."""
+        if self.dense_t is None or not torch.backends.mkldnn.is_available():
+            return False
+        weight = self.dense_t.t().contiguous()  # [out, in], as oneDNN's linear takes it
+        try:
+            blocked = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+        except RuntimeError:
+            return False
+        key = next(_blocked_ids)
+        _BLOCKED[key] = self.dense_blocked = blocked
+        self.register_buffer("blocked_id", torch.tensor(key), persistent=False)
+        self.dense_t = None
+        return True
 
 
 class Int4Linear(_PackedLinear):
@@ -353,6 +398,17 @@ def _quantized(module, fmt, dtype, exact: Int4Groups | None, file_type: str, den
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def pack_dense_copies(model: nn.Module, rows_hint: int = 32) -> int:
+    """Put every packed layer's bfloat16 copy for large batches into oneDNN's blocked layout.
+    The outputs are bit-identical; batch 32 decodes about 1.4x faster on a 2-core AVX512 CPU
+    (`bench/engine.py --parts c`). Returns how many layers were packed."""
+    return sum(
+        module.pack_dense(rows_hint)
+        for module in model.modules()
+        if isinstance(module, _PackedLinear)
+    )
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:
