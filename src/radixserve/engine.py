@@ -35,7 +35,6 @@ from radixserve.model.compiled import CompiledDecode, warm_up_batch_sizes
 from radixserve.model.grammar import GrammarBackend, GrammarSpec
 from radixserve.model.kv import CastingCopier, KVPool
 from radixserve.model.loader import load_model, model_identity
-from radixserve.model.quant import pack_dense_copies
 from radixserve.model.sampling import SampleOutput, SamplingState, sample
 from radixserve.model.tokenizer import IncrementalDetokenizer
 from radixserve.sched.request import FinishReason, Req, SamplingParams, prepare_request
@@ -153,8 +152,6 @@ class Engine:
         self.tiers = TieredCache(self.cache, self.host_tier, storage_tier)
         """The device tree with its tiers: `tiers.match_prefix` reports each tier's length."""
         self.attention = make_attention_backend("torch", decode=config.decode_attention)
-        if self.device.type == "cpu" and (packed := pack_dense_copies(self.model)):
-            log.info("%d layers' bfloat16 copies in oneDNN's blocked layout", packed)
         self.compiled_decode = self._compile_decode() if config.compile else None
         self._live: dict[str, _Live] = {}
         self.failed_steps = 0

@@ -36,6 +36,7 @@ from radixserve.model.quant import (
     Int4Groups,
     apply_weight_format,
     gguf_int4_groups,
+    pack_dense_copies,
     resolve_weight_format,
     weight_bytes_per_token,
 )
@@ -72,7 +73,11 @@ class LoadedModel:
         streamed = weight_bytes_per_token(self.model) / 2**20
         dense = self.format.dense_from_rows
         if dense is not None:
-            layers += f"; bfloat16 copies serve batches of {dense}+ rows"
+            blocked = any(
+                getattr(m, "dense_blocked", None) is not None for m in self.model.modules()
+            )
+            layout = " in oneDNN's blocked layout" if blocked else ""
+            layers += f"; bfloat16 copies{layout} serve batches of {dense}+ rows"
         return (
             f"weights {self.format.weight_format} ({layers}), "
             f"{str(self.dtype).removeprefix('torch.')} activations, "
@@ -150,6 +155,8 @@ def load_model(
     choice = resolve_weight_format(weight_format, dtype, device, kinds, default_dtype)
     built, layer_formats = _build(weights, choice, device)
     del weights
+    if device.type == "cpu":
+        pack_dense_copies(built)  # replaces the plain copies: freed below
     _return_freed_memory()
     return LoadedModel(built, tokenizer, name, str(path), context, choice, layer_formats)
 
