@@ -14,8 +14,10 @@ from radixserve.errors import InvalidArgumentError
 from radixserve.model.quant import (
     Int4Groups,
     Int4Linear,
+    Int8GroupLinear,
     Int8Linear,
     gguf_int4_groups,
+    gguf_q8_0_groups,
     pack_dense_copies,
     resolve_weight_format,
 )
@@ -37,6 +39,36 @@ def test_gguf_q4_blocks_map_exactly_to_int4_groups(kind):
     groups = gguf_int4_groups(raw, kind)
     np.testing.assert_array_equal(groups.dequantize(), reference)
     assert groups.q.max() <= 15 and groups.source == kind
+
+
+def test_gguf_q8_0_blocks_map_exactly_to_int8_groups_and_their_two_int4_halves():
+    weight = RNG.standard_normal((48, 128)).astype(np.float32)
+    weight[0, :32] = 0.0  # a group whose scale is zero
+    raw = quantize(weight, GGMLQuantizationType.Q8_0)
+    reference = np.asarray(dequantize(raw, GGMLQuantizationType.Q8_0), dtype=np.float32)
+    groups = gguf_q8_0_groups(raw)
+    np.testing.assert_array_equal(groups.dequantize(), reference.reshape(weight.shape))
+    halves = groups.halves()
+    assert halves.q.shape == (48, 256) and halves.q.max() <= 15
+    both = halves.dequantize()  # [x, x] @ both.T is x @ (high + low).T
+    np.testing.assert_array_equal(both[:, :128] + both[:, 128:], groups.dequantize())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@torch.inference_mode()
+def test_a_q8_0_layer_matches_its_own_numbers_packed_and_dense(bias):
+    weight = RNG.standard_normal((64, 128)).astype(np.float32)
+    groups = gguf_q8_0_groups(quantize(weight, GGMLQuantizationType.Q8_0))
+    b = torch.randn(64) if bias else None
+    layer = Int8GroupLinear(groups, b, torch.bfloat16, dense_from_rows=4)
+    assert (layer.in_features, layer.out_features) == (128, 64)
+    for rows in (1, 3, 4, 9):  # the int4 halves below 4 rows, the bfloat16 copy from there
+        x = torch.randn(rows, 128).bfloat16()
+        reference = x.double() @ torch.from_numpy(groups.dequantize()).double().T
+        if b is not None:
+            reference = reference + b.double()
+        # tighter than the requantized formats: only the scales round (to bfloat16)
+        assert relative_error(layer(x), reference) < LAYER_TOLERANCE / 4
 
 
 def test_requantized_int4_groups_are_within_half_a_step():
@@ -188,7 +220,8 @@ def test_auto_picks_the_files_own_int4_on_the_embedded_model():
     if expected == "int4":
         qkv = engine.model.model.layers[0].self_attn.qkv_proj
         assert isinstance(qkv, Int4Linear)
-        assert isinstance(engine.model.lm_head, Int8Linear)  # the file's Q8_0 embedding
+        # the file's Q8_0 embedding, exactly
+        assert isinstance(engine.model.lm_head, Int8GroupLinear)
 
 
 @torch.inference_mode()
@@ -219,10 +252,16 @@ def test_a_dense_copy_in_onednn_layout_gives_the_same_bits(bias):
     model = torch.nn.Sequential(
         Int4Linear(Int4Groups.quantize(weight), b, torch.bfloat16, dense_from_rows=4),
         Int8Linear(weight[:, :96].copy(), None, torch.bfloat16, dense_from_rows=4),
+        Int8GroupLinear(
+            gguf_q8_0_groups(quantize(weight[:, :96], GGMLQuantizationType.Q8_0)),
+            None,
+            torch.bfloat16,
+            dense_from_rows=4,
+        ),
     )
     xs = [torch.randn(rows, 128).bfloat16() for rows in (1, 3, 4, 17, 64)]
     before = [model(x) for x in xs]
-    assert pack_dense_copies(model) == 2
+    assert pack_dense_copies(model) == 3
     assert all(m.dense_t is None and m.dense_blocked is not None for m in model)
     for x, want in zip(xs, before, strict=True):
         assert torch.equal(model(x), want)

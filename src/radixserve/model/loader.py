@@ -34,8 +34,10 @@ from radixserve.model.llama import (
 from radixserve.model.quant import (
     FormatChoice,
     Int4Groups,
+    Int8Groups,
     apply_weight_format,
     gguf_int4_groups,
+    gguf_q8_0_groups,
     pack_dense_copies,
     resolve_weight_format,
     weight_bytes_per_token,
@@ -92,7 +94,7 @@ class _Weights:
     config: LlamaConfig
     tensors: dict[str, torch.Tensor]
     file_types: dict[str, str]  # HF tensor name -> storage type in the file
-    exact_int4: dict[str, Int4Groups]  # HF tensor name -> the file's own int4 groups
+    exact: dict[str, Int4Groups | Int8Groups]  # HF tensor name -> the file's own groups
 
 
 def default_model_path() -> Path:
@@ -231,8 +233,9 @@ def _module_sources(config: LlamaConfig, weights: _Weights):
     for module, names in parts.items():
         kinds = {weights.file_types.get(n, "float") for n in names}
         types[module] = kinds.pop() if len(kinds) == 1 else "mixed"
-        if all(n in weights.exact_int4 for n in names):
-            exact[module] = Int4Groups.cat([weights.exact_int4[n] for n in names])
+        groups = [weights.exact.get(n) for n in names]
+        if len({type(g) for g in groups}) == 1 and groups[0] is not None:
+            exact[module] = type(groups[0]).cat(groups)
     return exact, types
 
 
@@ -369,7 +372,7 @@ def _read_gguf(path: Path):
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tensors: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
-    exact: dict[str, Int4Groups] = {}
+    exact: dict[str, Int4Groups | Int8Groups] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
@@ -379,7 +382,7 @@ def _read_gguf(path: Path):
         values = np.asarray(values, dtype=np.float32).reshape(
             [int(d) for d in reversed(tensor.shape.tolist())]
         )
-        groups = gguf_int4_groups(tensor.data, kind) if kind in ("Q4_0", "Q4_1") else None
+        groups = _exact_groups(tensor.data, kind)
         heads_here = heads if name.endswith(("q_proj.weight", "q_proj.bias")) else kv_heads
         if arch == "llama" and name.endswith(
             ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
@@ -415,6 +418,15 @@ def _read_gguf(path: Path):
     weights = _Weights(config, tensors, types, exact)
     name = gguf_model_name(path)
     return weights, gguf_tokenizer(reader), name, config.max_position_embeddings
+
+
+def _exact_groups(data: np.ndarray, kind: str) -> Int4Groups | Int8Groups | None:
+    """The file's own numbers of a tensor whose storage a quantized format keeps exactly."""
+    if kind in ("Q4_0", "Q4_1"):
+        return gguf_int4_groups(data, kind)
+    if kind == "Q8_0":
+        return gguf_q8_0_groups(data)
+    return None
 
 
 def _pre_tokenizer(pre: str):
