@@ -274,7 +274,7 @@ class Int8Linear(_PackedLinear):
 class Int8GroupLinear(Int4Linear):
     """y = x @ w.T (+ bias) with w held exactly as int8 groups (`Int8Groups`), computed by
     the int4 kernel on `Int8Groups.halves` with the input fed twice. One-row decode of the
-    embedded model's LM head measured 2.35 against 2.72 ms for `_weight_int8pack_mm`, which
+    embedded model's LM head measured 2.0-2.1 against 2.8-3.0 ms for `_weight_int8pack_mm`, which
     is compute-bound on this CPU; the halves stream 10 bits a weight against 8."""
 
     def __init__(
