@@ -139,3 +139,16 @@ def test_serve_replicas_without_ray_names_the_install_command(monkeypatch, capsy
         main(["serve", "--replicas", "2"])
     assert exit_info.value.code == 2
     assert "pip install 'radixserve[ray]'" in capsys.readouterr().err
+
+
+def test_every_subcommands_help_prints(capsys):
+    """Regression: a bare % in a help string made `radixserve study --help` raise."""
+    from radixserve.cli import build_parser
+
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if a.dest == "command" or a.choices)
+    for name in subcommands.choices:
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code == 0, name
+        assert "usage: radixserve" in capsys.readouterr().out
