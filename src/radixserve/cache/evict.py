@@ -332,6 +332,12 @@ def _adaptive() -> EvictionPolicy:
     return AdaptivePolicy()
 
 
+def _learned_lru() -> EvictionPolicy:
+    from radixserve.cache.learned import LearnedLRUPolicy
+
+    return LearnedLRUPolicy()
+
+
 _REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "lfu": LFUPolicy,
@@ -342,6 +348,7 @@ _REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {
     "slru": SLRUPolicy,
     "wgd": WindowedGreedyDualPolicy,
     "adaptive": _adaptive,
+    "learned-lru": _learned_lru,
 }
 
 
