@@ -778,7 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(only when the code has not changed since)",
     )
     st.add_argument("--markdown", default=None, help="report file (default: OUT.md)")
-    st.add_argument("--eviction", default="lru,lfu,slru,wgd,adaptive,belady")
+    st.add_argument("--eviction", default="lru,lfu,slru,wgd,learned-lru,adaptive,belady")
     st.add_argument("--policy", default="adaptive", help="the policy the summary judges")
     st.add_argument("--cache", default="0.5,1,2,5,10,20", help="sizes, %% of unique tokens")
     st.add_argument("--workloads", default=None, help="comma-separated (default: all)")

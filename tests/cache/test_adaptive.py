@@ -216,3 +216,14 @@ def test_bad_arguments_are_refused():
 def test_it_is_selectable_by_name_everywhere():
     cache = RadixCache(TokenToKVPoolAllocator(64), eviction_policy="adaptive")
     assert isinstance(cache.policy, AdaptivePolicy)
+
+
+def test_its_base_expert_learns_what_frequency_pays_without_switching():
+    trace = _hot_and_scan()
+    lru = simulate_cache(trace, "lru", kv_tokens=2_000).hit_rate
+    policy = AdaptivePolicy(margin=0.99)  # never leaves its base expert
+    rate = simulate_cache(trace, policy, kv_tokens=2_000, check_invariants=True).hit_rate
+    assert not policy.switches and policy.mode == "lru"
+    never_hit, *hit = policy._base.tolerance
+    assert all(t > never_hit for t in hit)
+    assert rate > lru + 0.05

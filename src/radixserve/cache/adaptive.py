@@ -10,26 +10,33 @@ advance, and the regime changes over a day. So this policy runs all three and me
   the real cache's size. The LRU shadow tracks tree LRU closely (per-page LRU is tree LRU); the
   LFU shadow treats pages as independent objects, and the wgd shadow, which models a policy of
   tree nodes with pages, can be several points optimistic.
-- **The real tree** ranks its leaves by one expert's key at a time: LRU's last use (at first),
-  LFU's (hits, last use), or `wgd`'s GreedyDual priorities. Its own hits on the sampled pages
-  are counted reference by reference.
+- **The real tree** ranks its leaves by one expert's key at a time: the base expert's (at
+  first), LFU's (hits, last use), or `wgd`'s GreedyDual priorities. Its own hits on the sampled
+  pages are counted reference by reference. The base expert, named `lru` in `switches` and
+  `decisions`, is `learned-lru` (`cache.learned`): LRU with a tolerated age per hit class,
+  learned from reuse times in every mode. It is exactly LRU until it has evidence, and it
+  takes, without switching, what a few hit classes can tell (measured in the lab study: the
+  gains of `wgd` on drifting popularity at small caches, LRU's at large ones).
 - **Epochs.** Every `epoch` sampled references (and a quarter of a shadow's worth of misses),
   each other expert's lead is recorded: its shadow's hit rate minus what the tree really got
-  (minus the LRU shadow's, while the tree follows LRU). The wgd shadow is corrected by what the
-  tree got while following wgd, and handicapped by 5 points until then. The tree leaves LRU for
-  the expert with the largest mean lead over the last 16 epochs if that lead is over `margin`
-  and over twice its standard error; it goes back to LRU on a lead over `margin` alone. No
-  lead is recorded until the tree has replaced its contents once since it filled or switched.
+  (or the LRU shadow's, where higher, while the tree follows the base expert). The wgd shadow
+  is corrected by what the tree got while following wgd, and handicapped by 5 points until
+  then. The tree leaves the base expert for the one with the largest mean lead over the last
+  16 epochs if that lead is over `margin` and over twice its standard error; it goes back to
+  the base expert on a lead of the LRU shadow over `margin` alone. No lead is recorded until
+  the tree has replaced its contents once since it filled or switched.
 
 The floor: while the tree follows another expert, its measured hit rate is compared every epoch
-with the LRU shadow on the same references, and a mean shortfall over `margin` sends it back.
+with the LRU shadow on the same references, and a mean shortfall over `margin` sends it back to
+the base expert.
 What is lost in between is the lag: the transition, then two epochs.
 
 State of its own: one record per tree node (its prefix hash and sampled page names, about
 150 bytes); shadows of `sample_pages`, `sample_pages` and `sample_pages` / 4 names plus the
 wgd shadow's ghosts (2 x its size), about 3,000 names with the default 1,024, whatever the
-pool size; and wgd's own window and ghosts (see `WindowedGreedyDualPolicy`), kept only while
-the tree follows wgd.
+pool size; wgd's own window and ghosts (see `WindowedGreedyDualPolicy`), kept only while
+the tree follows wgd; and the base expert's counts, node entries and ghosts (see
+`LearnedLRUPolicy`).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from radixserve.cache.evict import WindowedGreedyDualPolicy
 from radixserve.cache.hashing import TOKEN_BYTES, namespace_seed
+from radixserve.cache.learned import LearnedLRUPolicy
 from radixserve.cache.shadow import GreedyDualShadow, LFUShadow, LRUShadow, PrefixHasher
 from radixserve.errors import InvalidArgumentError
 
@@ -65,6 +73,22 @@ def _mean_and_error(values: list[float]) -> tuple[float, float]:
         return mean, math.inf
     variance = sum((v - mean) ** 2 for v in values) / (n - 1)
     return mean, math.sqrt(variance / n)
+
+
+class _BaseExpert(LearnedLRUPolicy):
+    """`learned-lru` as the adaptive policy's base expert: it learns in every mode, and its
+    tolerances re-key the tree only while the tree follows it."""
+
+    def __init__(self, owner: AdaptivePolicy) -> None:
+        super().__init__()
+        self._owner = owner
+
+    def tolerance_changed(self) -> None:
+        if self._owner.mode == "lru":
+            super().tolerance_changed()
+
+    def identity(self, node: TreeNode) -> int:
+        return self._owner._record(node)[2]  # the prefix hash the shadows already keep
 
 
 class AdaptivePolicy(WindowedGreedyDualPolicy):
@@ -128,13 +152,15 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._rate: dict[str, float | None] = dict.fromkeys(EXPERTS)
         self._gd_bias: float | None = None
         self._leads: dict[str, list[float]] = {name: [] for name in EXPERTS}
+        self._base = _BaseExpert(self)
+        self._base.bind(cache)
 
     # -- keys ------------------------------------------------------------------------------
 
     def key(self, node: TreeNode):
         mode = self.mode
         if mode == "lru":
-            return node.last_access_time
+            return self._base.key(node)
         if mode == "lfu":
             return (node.hit_count, node.last_access_time)
         return super().key(node)
@@ -144,10 +170,12 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
     # hit): after a switch to wgd the window starts empty and refills with new leaves.
 
     def on_insert(self, node: TreeNode) -> None:
+        self._base.on_insert(node)
         if self.mode == "wgd":
             super().on_insert(node)
 
     def on_evict(self, node: TreeNode, key: tuple, now: float) -> None:
+        self._base.on_evict(node, key, now)
         if self.mode == "wgd":
             super().on_evict(node, key, now)
         self._records.pop(node, None)
@@ -197,6 +225,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
 
     def on_reference(self, node: TreeNode, cached: int) -> None:
         """`insert` placed a sequence ending at `node`; its first `cached` tokens were cached."""
+        self._base.on_reference(node, cached)
         # A request uses its whole path at one instant, and a tree evicts deepest first at
         # equal recency: the shadows get the path's pages deepest first.
         records = self._records
@@ -253,9 +282,10 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         if misses_before < self._turnover:
             return
         # Each other expert's lead, epoch by epoch: its shadow against what the tree really
-        # got. Under LRU, against the LRU shadow instead, which shares the other shadows'
-        # sampling and its small optimism.
-        reference = raw["lru"] if self.mode == "lru" else real
+        # got. Under the base expert, against the LRU shadow where that is higher: it shares
+        # the other shadows' sampling and its small optimism, and the base expert's learned
+        # tolerances can make the tree better than LRU, which a lead must then beat.
+        reference = max(raw["lru"], real) if self.mode == "lru" else real
         # The wgd shadow models a tree policy with independent pages and can be several points
         # optimistic: it is corrected by what the tree got while following wgd, and until that
         # is known, handicapped.

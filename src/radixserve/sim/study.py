@@ -39,7 +39,7 @@ from radixserve.sim.traces import TraceRequest, read_mooncake, write_mooncake
 from radixserve.sim.workloads import MOONCAKE_WORKLOADS, make_workload
 
 SIZES = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
-POLICIES = ("lru", "lfu", "slru", "wgd", "adaptive", "belady")
+POLICIES = ("lru", "lfu", "slru", "wgd", "learned-lru", "adaptive", "belady")
 JUDGED = "adaptive"
 CLASSICAL = ("lru", "lfu")
 GAP_SIZES = (1.0, 5.0)
