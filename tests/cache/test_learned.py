@@ -78,7 +78,7 @@ def test_it_starts_as_lru_and_a_ghost_reports_a_late_reuse():
     assert policy.eviction_age == 5 and policy._ghost_tokens == 30
     clock.advance(7)
     cache_sequence(cache, list(range(30)))  # back where the ghost was, 12 after its last use
-    assert policy._reused[0, _bin(12.0)] == 30 and policy._ghost_tokens == 30
+    assert policy._reused[0][_bin(12.0)] == 30 and policy._ghost_tokens == 30
     cache.check_invariants()
 
 
@@ -93,8 +93,8 @@ def test_references_record_reuse_ages_by_hit_class():
     clock.advance(4)
     cache.match_prefix(tokens(range(20)))
     cache_sequence(cache, list(range(20)))
-    assert policy._reused[0, _bin(3.0)] == 20  # reused 3 after its insertion, while never hit
-    assert policy._reused[1, _bin(4.0)] == 20  # then 4 later, as a once-hit node
+    assert policy._reused[0][_bin(3.0)] == 20  # reused 3 after its insertion, while never hit
+    assert policy._reused[1][_bin(4.0)] == 20  # then 4 later, as a once-hit node
 
 
 def test_tolerance_changes_keep_every_invariant():

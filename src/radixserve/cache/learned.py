@@ -94,8 +94,10 @@ class LearnedLRUPolicy:
         self._ghost_limit = self.ghost * pool
         self._ghosts: OrderedDict[int, tuple[int, float, int]] = OrderedDict()
         self._ghost_tokens = 0
-        self._reused = np.zeros((self.classes, _NUM_BINS))  # tokens reused at each age
-        self._never = np.zeros(self.classes)  # tokens not reused within the horizon
+        # Tokens reused at each age bin, and tokens not reused within the horizon, per class
+        # (Python lists: one observation is one scalar update, cheaper than numpy's).
+        self._reused = [[0.0] * _NUM_BINS for _ in range(self.classes)]
+        self._never = [0.0] * self.classes
         self.eviction_age: float | None = None
         self.tolerance = [0.0] * self.classes
         self._references = 0
@@ -119,7 +121,7 @@ class LearnedLRUPolicy:
         if age > self._horizon():
             self._never[cls] += tokens
         else:
-            self._reused[cls, _bin(age)] += tokens
+            self._reused[cls][_bin(age)] += tokens
 
     def identity(self, node: TreeNode) -> int:
         """A name for where `node` starts, equal for a later node cached at the same place."""
@@ -138,16 +140,18 @@ class LearnedLRUPolicy:
     def on_reference(self, node: TreeNode, cached: int) -> None:
         now = node.last_access_time
         states = self._state
+        top = self.classes - 1
         walker = node
         while walker.parent is not None:
             state = states.get(walker)
+            cls = walker.hit_count if walker.hit_count < top else top
             if state is None:  # the upper half of a split: no history of its own
-                states[walker] = [now, self.hit_class(walker)]
+                states[walker] = [now, cls]
             elif state[0] != now:
                 self._observe(state[1], now - state[0], len(walker))
-                state[0], state[1] = now, self.hit_class(walker)
+                state[0], state[1] = now, cls
             else:
-                state[1] = self.hit_class(walker)
+                state[1] = cls
             walker = walker.parent
         self._expire_ghosts(now)
         self._references += 1
@@ -204,20 +208,21 @@ class LearnedLRUPolicy:
         docstring); all zero (LRU) before the first eviction."""
         if self.eviction_age is None:
             return [0.0] * self.classes
-        window = self.eviction_age
-        horizon = self._horizon()
+        # E at the histogram's resolution: the tolerances move, and the leaves are re-keyed,
+        # only when E crosses a bin edge, not at every eviction.
+        window = float(_EDGES[_bin(self.eviction_age)])
+        horizon = self.horizon * window
         last_bin = _bin(horizon)
-        pooled = self.reuse_within(self._reused.sum(0), float(self._never.sum()), window)
+        reused, never = np.array(self._reused), np.array(self._never)
+        pooled = self.reuse_within(reused.sum(0), float(never.sum()), window)
         reference = pooled[_bin(window)]
-        totals = self._reused.sum(1) + self._never
+        totals = reused.sum(1) + never
         tolerance = []
         for cls in range(self.classes):
             if totals[cls] < _MIN_SHARE * totals.sum():
                 tolerance.append(window)
                 continue
-            p = np.minimum.accumulate(
-                self.reuse_within(self._reused[cls], float(self._never[cls]), window)
-            )
+            p = np.minimum.accumulate(self.reuse_within(reused[cls], float(never[cls]), window))
             below = np.flatnonzero(p[: last_bin + 1] < reference)
             tolerance.append(float(_EDGES[below[0]]) if below.size else horizon)
         return tolerance
@@ -225,8 +230,8 @@ class LearnedLRUPolicy:
     def _renew(self) -> None:
         self._epochs += 1
         if self._epochs % 16 == 0:
-            self._reused *= 0.5
-            self._never *= 0.5
+            self._reused = [[0.5 * n for n in row] for row in self._reused]
+            self._never = [0.5 * n for n in self._never]
         tolerance = self.estimate()
         if tolerance != self.tolerance:
             self.tolerance = tolerance
