@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from radixserve.cache import RadixCache
+from radixserve.sim.traces import TraceRequest
+from radixserve.sim.workloads import make_workload
 
 
 class ManualClock:
@@ -47,3 +49,31 @@ def cache_sequence(cache: RadixCache, seq, priority: float = 0, extra_key=None) 
     if leftovers.size:
         cache.allocator.free(leftovers)
     return cached
+
+
+def trace_of(prompts) -> list[TraceRequest]:
+    """One trace request per prompt, in order, with no answer."""
+    return [
+        TraceRequest(f"r{i}", float(i), np.asarray(p, dtype=np.int32), 0)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def hot_and_scan(n: int = 3_000, seed: int = 0) -> list[TraceRequest]:
+    """Ten hot prompts reused all the time, between one-off prompts: frequency pays, LRU loses."""
+    rng = np.random.default_rng(seed)
+    hot = [rng.integers(0, 30_000, 64) for _ in range(10)]
+    prompts = []
+    for i in range(n):
+        if rng.random() < 0.4:
+            prompts.append(hot[rng.integers(10)])
+        else:
+            prompts.append(rng.integers(30_000, 2**30, 64) + i)
+    return trace_of(prompts)
+
+
+def chat_sessions(n_sessions: int = 300, seed: int = 0) -> list[TraceRequest]:
+    """Sessions that come back soon and then end: recency pays, frequency does not."""
+    return make_workload(
+        "multi-turn-random", num_sessions=n_sessions, turns=6, system_len=64, seed=seed
+    )

@@ -6,15 +6,19 @@ import random
 
 import numpy as np
 import pytest
-from cache_helpers import ManualClock, cache_sequence, tokens
+from cache_helpers import (
+    ManualClock,
+    cache_sequence,
+    chat_sessions,
+    hot_and_scan,
+    tokens,
+)
 
 from radixserve.cache import RadixCache, TokenToKVPoolAllocator
 from radixserve.cache.adaptive import AdaptivePolicy, _seed
 from radixserve.cache.shadow import GreedyDualShadow, LFUShadow, LRUShadow, PrefixHasher
 from radixserve.errors import InvalidArgumentError
 from radixserve.sim.cacheonly import simulate_cache
-from radixserve.sim.traces import TraceRequest
-from radixserve.sim.workloads import make_workload
 
 # -- prefix hashes ------------------------------------------------------------------------------
 
@@ -114,36 +118,9 @@ def test_the_greedy_dual_shadow_resists_a_scan_that_flushes_lru():
 # -- the policy in a tree -----------------------------------------------------------------------
 
 
-def _trace(prompts) -> list[TraceRequest]:
-    return [
-        TraceRequest(f"r{i}", float(i), np.asarray(p, dtype=np.int32), 0)
-        for i, p in enumerate(prompts)
-    ]
-
-
-def _hot_and_scan(n: int = 3_000, seed: int = 0) -> list[TraceRequest]:
-    """Ten hot prompts reused all the time, between one-off prompts: frequency pays, LRU loses."""
-    rng = np.random.default_rng(seed)
-    hot = [rng.integers(0, 30_000, 64) for _ in range(10)]
-    prompts = []
-    for i in range(n):
-        if rng.random() < 0.4:
-            prompts.append(hot[rng.integers(10)])
-        else:
-            prompts.append(rng.integers(30_000, 2**30, 64) + i)
-    return _trace(prompts)
-
-
-def _chat(n_sessions: int = 300, seed: int = 0) -> list[TraceRequest]:
-    """Sessions that come back soon and then end: recency pays, frequency does not."""
-    return make_workload(
-        "multi-turn-random", num_sessions=n_sessions, turns=6, system_len=64, seed=seed
-    )
-
-
 def test_the_lru_shadow_predicts_the_tree_under_lru():
     policy = AdaptivePolicy(sample_pages=100_000, margin=0.99)  # samples all, never switches
-    simulate_cache(_chat(), policy, kv_tokens=6_000)
+    simulate_cache(chat_sessions(), policy, kv_tokens=6_000)
     assert policy.mode == "lru" and not policy.switches
     counted = [(real, raw["lru"]) for _, _, real, raw in policy.decisions[2:]]
     real = sum(r for r, _ in counted) / len(counted)
@@ -152,7 +129,7 @@ def test_the_lru_shadow_predicts_the_tree_under_lru():
 
 
 def test_it_leaves_lru_when_frequency_pays_and_beats_lru():
-    trace = _hot_and_scan()
+    trace = hot_and_scan()
     lru = simulate_cache(trace, "lru", kv_tokens=2_000).hit_rate
     lfu = simulate_cache(trace, "lfu", kv_tokens=2_000).hit_rate
     policy = AdaptivePolicy()
@@ -163,7 +140,7 @@ def test_it_leaves_lru_when_frequency_pays_and_beats_lru():
 
 
 def test_it_stays_with_lru_when_recency_pays():
-    trace = _chat()
+    trace = chat_sessions()
     lru = simulate_cache(trace, "lru", kv_tokens=6_000).hit_rate
     lfu = simulate_cache(trace, "lfu", kv_tokens=6_000).hit_rate
     policy = AdaptivePolicy()
@@ -219,7 +196,7 @@ def test_it_is_selectable_by_name_everywhere():
 
 
 def test_its_base_expert_learns_what_frequency_pays_without_switching():
-    trace = _hot_and_scan()
+    trace = hot_and_scan()
     lru = simulate_cache(trace, "lru", kv_tokens=2_000).hit_rate
     policy = AdaptivePolicy(margin=0.99)  # never leaves its base expert
     rate = simulate_cache(trace, policy, kv_tokens=2_000, check_invariants=True).hit_rate

@@ -4,45 +4,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cache_helpers import ManualClock, cache_sequence, tokens
+from cache_helpers import (
+    ManualClock,
+    cache_sequence,
+    chat_sessions,
+    hot_and_scan,
+    tokens,
+)
 
 from radixserve.cache import RadixCache, TokenToKVPoolAllocator
 from radixserve.cache.learned import LearnedLRUPolicy, _bin
 from radixserve.errors import InvalidArgumentError
 from radixserve.sim.cacheonly import simulate_cache
-from radixserve.sim.traces import TraceRequest
-from radixserve.sim.workloads import make_workload
-
-
-def _trace(prompts) -> list[TraceRequest]:
-    return [
-        TraceRequest(f"r{i}", float(i), np.asarray(p, dtype=np.int32), 0)
-        for i, p in enumerate(prompts)
-    ]
-
-
-def _hot_and_scan(n: int = 3_000, seed: int = 0) -> list[TraceRequest]:
-    """Ten hot prompts reused all the time, between one-off prompts: frequency pays."""
-    rng = np.random.default_rng(seed)
-    hot = [rng.integers(0, 30_000, 64) for _ in range(10)]
-    prompts = []
-    for i in range(n):
-        if rng.random() < 0.4:
-            prompts.append(hot[rng.integers(10)])
-        else:
-            prompts.append(rng.integers(30_000, 2**30, 64) + i)
-    return _trace(prompts)
-
-
-def _chat(n_sessions: int = 300, seed: int = 0) -> list[TraceRequest]:
-    """Sessions that come back soon and then end: recency pays, frequency does not."""
-    return make_workload(
-        "multi-turn-random", num_sessions=n_sessions, turns=6, system_len=64, seed=seed
-    )
 
 
 def test_one_class_is_exactly_lru():
-    trace = _chat()
+    trace = chat_sessions()
     lru = simulate_cache(trace, "lru", kv_tokens=6_000)
     policy = LearnedLRUPolicy(classes=1)
     one = simulate_cache(trace, policy, kv_tokens=6_000, check_invariants=True)
@@ -51,7 +28,7 @@ def test_one_class_is_exactly_lru():
 
 
 def test_it_keeps_what_comes_back_and_beats_lru_when_frequency_pays():
-    trace = _hot_and_scan()
+    trace = hot_and_scan()
     lru = simulate_cache(trace, "lru", kv_tokens=2_000).hit_rate
     policy = LearnedLRUPolicy()
     learned = simulate_cache(trace, policy, kv_tokens=2_000, check_invariants=True).hit_rate
@@ -61,7 +38,7 @@ def test_it_keeps_what_comes_back_and_beats_lru_when_frequency_pays():
 
 
 def test_it_stays_near_lru_when_recency_pays():
-    trace = _chat()
+    trace = chat_sessions()
     lru = simulate_cache(trace, "lru", kv_tokens=6_000).hit_rate
     learned = simulate_cache(trace, LearnedLRUPolicy(), kv_tokens=6_000).hit_rate
     assert learned >= lru - 0.01
