@@ -15,8 +15,15 @@ from cache_helpers import (
 )
 
 from radixserve.cache import RadixCache, TokenToKVPoolAllocator
-from radixserve.cache.adaptive import AdaptivePolicy, _seed
-from radixserve.cache.shadow import GreedyDualShadow, LFUShadow, LRUShadow, PrefixHasher
+from radixserve.cache.adaptive import AdaptivePolicy
+from radixserve.cache.hashing import namespace_seed
+from radixserve.cache.shadow import (
+    GreedyDualShadow,
+    LFUShadow,
+    LRUShadow,
+    PrefixHasher,
+    _Shadow,
+)
 from radixserve.errors import InvalidArgumentError
 from radixserve.sim.cacheonly import simulate_cache
 
@@ -28,27 +35,30 @@ def _bytes(values) -> bytes:
 
 
 def test_a_prefix_hash_does_not_depend_on_where_edges_are_cut():
-    hasher = PrefixHasher(page_size=1, rate=1.0)
+    hasher = PrefixHasher(block_tokens=4, rate=1.0)
+    seed = hasher.seed(b"ns")
     seq = list(range(100, 140))
-    whole = hasher.page_hashes(7, _bytes(seq))
-    first = hasher.page_hashes(7, _bytes(seq[:13]))
-    rest = hasher.page_hashes(int(first[-1]), _bytes(seq[13:]))
-    assert list(whole) == [*first, *rest]
-    other = hasher.page_hashes(7, _bytes([*seq[:20], 999, *seq[21:]]))
-    assert list(other[:20]) == list(whole[:20])
-    assert not set(other[20:].tolist()) & set(whole[20:].tolist()), "a changed token renames"
-    assert hasher.page_hashes(8, _bytes(seq))[0] != whole[0], "the namespace seed counts"
+    end, _, whole = hasher.end_and_samples(seed, _bytes(seq))
+    assert len(whole) == 10 and len(set(whole)) == 10
+    for cut in (1, 4, 13, 39):
+        middle, _, first = hasher.end_and_samples(seed, _bytes(seq[:cut]))
+        last, _, rest = hasher.end_and_samples(middle, _bytes(seq[cut:]))
+        assert [*first, *rest] == whole and last == end
+    _, _, other = hasher.end_and_samples(seed, _bytes([*seq[:21], 999, *seq[22:]]))
+    assert other[:5] == whole[:5], "names of blocks ending before the change stay"
+    assert not set(other[5:]) & set(whole[5:]), "a changed token renames every later block"
+    assert hasher.end_and_samples(hasher.seed(b"other"), _bytes(seq))[2][0] != whole[0]
 
 
-def test_pages_are_named_at_their_ends_and_sampled_at_the_rate():
-    paged = PrefixHasher(page_size=4, rate=1.0)
-    seq = list(range(40))
-    assert list(paged.page_hashes(3, _bytes(seq))) == list(
-        PrefixHasher(1, 1.0).page_hashes(3, _bytes(seq))[3::4]
-    )
-    sparse = PrefixHasher(page_size=1, rate=0.1)
+def test_first_pages_are_named_and_blocks_sampled_at_the_rate():
+    paged = PrefixHasher(block_tokens=8, rate=1.0, page_tokens=4)
+    seed = paged.seed(b"")
+    _, first, _ = paged.end_and_samples(seed, _bytes(range(40)))
+    _, _, names = PrefixHasher(block_tokens=4, rate=1.0).end_and_samples(seed, _bytes(range(40)))
+    assert first == names[0], "the first page's name is the prefix's name at its end"
+    sparse = PrefixHasher(block_tokens=1, rate=0.1)
     seq = np.random.default_rng(0).integers(0, 32_000, 20_000)
-    _, _, sampled = sparse.end_and_samples(11, _bytes(seq))
+    _, _, sampled = sparse.end_and_samples(sparse.seed(b""), _bytes(seq))
     assert 1_700 < len(sampled) < 2_300
 
 
@@ -93,12 +103,45 @@ def test_lru_and_lfu_shadows_match_plain_implementations(seed):
     assert len(lru) == len(lfu) == 25
 
 
+def test_the_lfu_shadows_written_out_reference_equals_the_base_class_steps():
+    # LFUShadow writes `reference` out for speed; _Shadow.reference defines it.
+    fast, slow = LFUShadow(12), LFUShadow(12)
+    rng = random.Random(5)
+    for _ in range(2_000):
+        pages = rng.sample(range(40), rng.choice([1, 2, 3, 6]))
+        assert fast.reference(pages) == _Shadow.reference(slow, pages)
+    assert fast._count == slow._count
+    assert {n: list(b) for n, b in fast._buckets.items() if b} == {
+        n: list(b) for n, b in slow._buckets.items() if b
+    }
+
+
+def test_the_greedy_dual_shadows_batched_references_equal_the_base_class_steps():
+    fast, slow = GreedyDualShadow(12, 0.25, 1.0), GreedyDualShadow(12, 0.25, 1.0)
+    rng = random.Random(6)
+    requests = [rng.sample(range(30), rng.choice([1, 2, 3, 6])) for _ in range(2_000)]
+    for start in range(0, len(requests), 50):
+        batch = requests[start : start + 50]
+        assert fast.reference_all(batch) == sum(_Shadow.reference(slow, r) for r in batch)
+    assert fast._keys == slow._keys and fast._hits == slow._hits
+    assert list(fast._ghosts) == list(slow._ghosts) and fast._level == slow._level
+
+
 def test_a_request_does_not_evict_its_own_pages():
     for shadow in (LRUShadow(4), LFUShadow(4), GreedyDualShadow(4, 0.25, 1.0)):
         assert shadow.reference([3, 2, 1]) == 0
         assert shadow.reference([6, 5, 2, 1]) == 2, "1 and 2 are renewed before 5 and 6 enter"
         assert shadow.reference([2, 1]) == 2
         assert len(shadow) == 4
+
+
+def test_a_request_larger_than_a_shadow_is_taken():
+    # A sample can hold more of one long request's pages than the shadow's capacity.
+    for shadow in (LRUShadow(4), LFUShadow(4), GreedyDualShadow(4, 0.25, 1.0)):
+        shadow.reference([1, 2])
+        assert shadow.reference([2, 1, 9, 8, 7, 6, 5]) == 2
+        assert len(shadow) == 4
+        assert shadow.reference_all([[3], [2, 1], list(range(20, 30))]) <= 2
 
 
 def test_the_greedy_dual_shadow_resists_a_scan_that_flushes_lru():
@@ -170,6 +213,20 @@ def test_switches_keep_every_invariant():
         policy.follow("mru")
 
 
+def test_every_shadow_is_fed_its_share_of_the_sampled_blocks():
+    # A large pool: the shadows sample 1,024 blocks of 64 tokens, and the wgd shadow a quarter.
+    policy = AdaptivePolicy()
+    cache = RadixCache(TokenToKVPoolAllocator(400_000), eviction_policy=policy)
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        cache_sequence(cache, rng.integers(0, 32_000, 1_024).tolist())
+    policy._feed_shadows()
+    assert policy._hasher.block_bytes == 64 * 4
+    assert 0.1 < policy._hasher.rate < 0.25
+    assert 300 < policy._refs < 700 and policy._refs == len(policy._lru) == len(policy._lfu)
+    assert 0.1 < policy._gd_refs / policy._refs < 0.45
+
+
 def test_a_split_node_is_renamed_consistently():
     clock = ManualClock()
     policy = AdaptivePolicy(sample_pages=10_000)
@@ -178,9 +235,12 @@ def test_a_split_node_is_renamed_consistently():
     cache_sequence(cache, [*range(20), *range(500, 530)])  # splits the first edge at 20
     upper = cache.match_prefix(tokens(range(20))).last_node
     lower = next(iter(upper.children.values()))
-    whole = policy._hasher.page_hashes(_seed(None), _bytes(range(50)))
-    assert policy._record(upper)[1] == int(whole[19])
-    assert policy._record(lower)[1] == int(whole[49])
+    hasher = policy._hasher
+    seed = hasher.seed(b"radixserve" + namespace_seed(None))
+    at_split, _, above = hasher.end_and_samples(seed, _bytes(range(20)))
+    at_end, _, whole = hasher.end_and_samples(seed, _bytes(range(50)))
+    assert policy._names.record(upper)[1] == at_split and policy._names.record(lower)[1] == at_end
+    assert policy._names.record(upper)[3] + policy._names.record(lower)[3] == whole and above
     cache.check_invariants()
 
 

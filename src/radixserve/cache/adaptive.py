@@ -6,10 +6,12 @@ static popularity and collapses when popularity moves. A deployment cannot know 
 advance, and the regime changes over a day. So this policy runs all three and measures them:
 
 - **Shadows.** Small caches of the three policies (`cache.shadow`) are fed a hash-sampled
-  subset of the pages every request references, so each estimates what its policy would hit at
-  the real cache's size. The LRU shadow tracks tree LRU closely (per-page LRU is tree LRU); the
-  LFU shadow treats pages as independent objects, and the wgd shadow, which models a policy of
-  tree nodes with pages, can be several points optimistic.
+  subset of the blocks every request references, so each estimates what its policy would hit
+  at the real cache's size. A block is a page in small pools and grows to 64 tokens in large
+  ones (where the sample is at most one block in four). The shadows take the sampled
+  references in batches of 64 requests. The LRU shadow tracks tree LRU closely (per-page LRU
+  is tree LRU); the LFU shadow treats blocks as independent objects, and the wgd shadow,
+  which models a policy of tree nodes with blocks, can be several points optimistic.
 - **The real tree** ranks its leaves by one expert's key at a time: the base expert's (at
   first), LFU's (hits, last use), or `wgd`'s GreedyDual priorities. Its own hits on the sampled
   pages are counted reference by reference. The base expert, named `lru` in `switches` and
@@ -31,8 +33,9 @@ with the LRU shadow on the same references, and a mean shortfall over `margin` s
 the base expert.
 What is lost in between is the lag: the transition, then two epochs.
 
-State of its own: one record per tree node (its prefix hash and sampled page names, about
-150 bytes); shadows of `sample_pages`, `sample_pages` and `sample_pages` / 4 names plus the
+State of its own: one record per tree node (its prefix's checksums, its first page's name
+and its sampled blocks' names, about 200 bytes); shadows of `sample_pages`, `sample_pages` and
+`sample_pages` / 4 names plus the
 wgd shadow's ghosts (2 x its size), about 3,000 names with the default 1,024, whatever the
 pool size; wgd's own window and ghosts (see `WindowedGreedyDualPolicy`), kept only while
 the tree follows wgd; and the base expert's counts, node entries and ghosts (see
@@ -41,14 +44,19 @@ the tree follows wgd; and the base expert's counts, node entries and ghosts (see
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import TYPE_CHECKING
 
 from radixserve.cache.evict import WindowedGreedyDualPolicy
-from radixserve.cache.hashing import TOKEN_BYTES, namespace_seed
+from radixserve.cache.hashing import TOKEN_BYTES
 from radixserve.cache.learned import LearnedLRUPolicy
-from radixserve.cache.shadow import GreedyDualShadow, LFUShadow, LRUShadow, PrefixHasher
+from radixserve.cache.shadow import (
+    GreedyDualShadow,
+    LFUShadow,
+    LRUShadow,
+    PrefixHasher,
+    PrefixRecords,
+)
 from radixserve.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -58,11 +66,12 @@ EXPERTS = ("wgd", "lru", "lfu")
 _GD_SHARE = 4
 _GD_HANDICAP = 0.05
 _WINDOW_EPOCHS = 16
+_BLOCK_TOKENS = 64
+_BATCH = 64  # requests whose sampled references the shadows take at once
 
 
-def _seed(extra_key: object) -> int:
-    """Where the prefix hashes of a namespace start: the same in every process."""
-    return int.from_bytes(hashlib.sha256(b"radixserve" + namespace_seed(extra_key)).digest()[:8])
+def _lfu_key(node: TreeNode) -> tuple[int, float]:
+    return (node.hit_count, node.last_access_time)
 
 
 def _mean_and_error(values: list[float]) -> tuple[float, float]:
@@ -88,7 +97,10 @@ class _BaseExpert(LearnedLRUPolicy):
             super().tolerance_changed()
 
     def identity(self, node: TreeNode) -> int:
-        return self._owner._record(node)[2]  # the prefix hash the shadows already keep
+        return self._owner._names.identity(node)  # the names the shadows already keep
+
+    def _forget(self, node: TreeNode) -> None:
+        pass  # the owner's records: it forgets evicted nodes
 
 
 class AdaptivePolicy(WindowedGreedyDualPolicy):
@@ -130,16 +142,29 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         super().bind(cache)
         pages = cache.allocator.size // cache.page_size if cache is not None else 1
         page_size = cache.page_size if cache is not None else 1
-        rate = min(1.0, self.sample_pages / pages)
-        size = max(1, round(rate * pages))
-        self._hasher = PrefixHasher(page_size, rate)
+        # The shadows' unit is a block of pages. Blocks grow, to _BLOCK_TOKENS at most, while
+        # the shadows still sample at most one block in four: the hashing then costs a call
+        # per block instead of per page, and small pools, where the shadows see every page,
+        # keep the page as the unit.
+        per_block = 1
+        while (
+            2 * per_block * page_size <= _BLOCK_TOKENS
+            and pages // (2 * per_block) >= 4 * self.sample_pages
+        ):
+            per_block *= 2
+        blocks = pages // per_block
+        rate = min(1.0, self.sample_pages / blocks)
+        size = max(1, round(rate * blocks))
+        self._hasher = PrefixHasher(per_block * page_size, rate, page_size)
         self._lru = LRUShadow(size)
         self._lfu = LFUShadow(size)
         # The wgd shadow costs most per access, so past 256 pages it sees a share of the sample.
         share = _GD_SHARE if size >= 256 * _GD_SHARE else 1
         self._gd = GreedyDualShadow(max(1, size // share), self.window, self.ghost)
-        self._gd_threshold = int(self._hasher.threshold) // share
-        self._records: dict[TreeNode, tuple[int, int, int, list[int]]] = {}
+        # A name is its CRC-32 above its Adler-32: the wgd share is a lower CRC threshold.
+        self._gd_threshold = self._hasher.threshold // share << 32
+        self._names = PrefixRecords(self._hasher)
+        self._pending: list[list[int]] = []
         self.epoch = self._epoch_arg or 1024
         self._turnover = size if self._epoch_arg is None else 0
         self.mode = "lru"
@@ -154,16 +179,25 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._leads: dict[str, list[float]] = {name: [] for name in EXPERTS}
         self._base = _BaseExpert(self)
         self._base.bind(cache)
+        self._use_keys_of(self.mode)
 
     # -- keys ------------------------------------------------------------------------------
 
     def key(self, node: TreeNode):
-        mode = self.mode
+        return self._key_of(self.mode)(node)
+
+    def _key_of(self, mode: str):
+        """The key function of the expert `mode`."""
         if mode == "lru":
-            return self._base.key(node)
+            return self._base.key
         if mode == "lfu":
-            return (node.hit_count, node.last_access_time)
-        return super().key(node)
+            return _lfu_key
+        return super().key
+
+    def _use_keys_of(self, mode: str) -> None:
+        # The tree asks for a key per leaf pushed: the expert's own function answers, not a
+        # dispatch on the mode.
+        self.key = self._key_of(mode)
 
     # wgd's own bookkeeping (window, ghosts, L) runs only while the tree follows wgd. Nodes
     # inserted meanwhile have no wgd state, which wgd reads as probation (or protected once
@@ -178,33 +212,12 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._base.on_evict(node, key, now)
         if self.mode == "wgd":
             super().on_evict(node, key, now)
-        self._records.pop(node, None)
+        self._names.forget(node)
 
     # -- prefix hashes of tree nodes -------------------------------------------------------
 
-    def _record(self, node: TreeNode) -> tuple[int, int, int, list[int]]:
-        """(edge bytes, hash at the node's end, its first page's name, its sampled pages)."""
-        records = self._records
-        record = records.get(node)
-        if record is not None and record[0] == len(node.key):
-            return record
-        stale = [node]
-        above = node.parent
-        while above.parent is not None:
-            record = records.get(above)
-            if record is not None and record[0] == len(above.key):
-                break
-            stale.append(above)
-            above = above.parent
-        start = record[1] if above.parent is not None else _seed(above.extra_key)
-        for todo in reversed(stale):
-            end, first, sampled = self._hasher.end_and_samples(start, todo.key)
-            record = records[todo] = (len(todo.key), end, first, sampled)
-            start = end
-        return record
-
     def _identity(self, node: TreeNode) -> int:
-        return self._record(node)[2]
+        return self._names.identity(node)
 
     def _close_window(self) -> None:
         """Leaving wgd: demote the window's leaves to probation, as if the window were 0."""
@@ -228,14 +241,12 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._base.on_reference(node, cached)
         # A request uses its whole path at one instant, and a tree evicts deepest first at
         # equal recency: the shadows get the path's pages deepest first.
-        records = self._records
+        names = self._names
         below = 0  # key bytes on the path under the node being looked at
         sampled_at: list[tuple[int, list[int]]] = []
         walker = node
         while walker.parent is not None:
-            record = records.get(walker)
-            if record is None or record[0] != len(walker.key):
-                record = self._record(walker)
+            record = names.get(walker) or names.record(walker)
             if record[3]:
                 sampled_at.append((below, record[3]))
             below += record[0]
@@ -251,16 +262,30 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
             return
         self._refs += len(pages)
         self._real += real
-        hits = self._hits
-        hits["lru"] += self._lru.reference(pages)
-        hits["lfu"] += self._lfu.reference(pages)
-        threshold = self._gd_threshold
-        gd_pages = [page for page in pages if page < threshold]
-        if gd_pages:
-            self._gd_refs += len(gd_pages)
-            hits["wgd"] += self._gd.reference(gd_pages)
-        if self._refs >= self.epoch and 4 * (self._refs - self._real) >= self._turnover:
+        pending = self._pending
+        pending.append(pages)
+        due = self._refs >= self.epoch and 4 * (self._refs - self._real) >= self._turnover
+        if due or len(pending) >= _BATCH:
+            self._feed_shadows()
+        if due:
             self._decide()
+
+    def _feed_shadows(self) -> None:
+        """Give the shadows the references held back, in order, one shadow at a time.
+
+        The shadows do not act on the tree, so holding references back changes nothing but
+        speed: a shadow's state stays in the CPU's caches through a batch.
+        """
+        pending, self._pending = self._pending, []
+        hits = self._hits
+        hits["lru"] += self._lru.reference_all(pending)
+        hits["lfu"] += self._lfu.reference_all(pending)
+        threshold = self._gd_threshold
+        shares = ([page for page in pages if page < threshold] for pages in pending)
+        gd_pending = [share for share in shares if share]
+        if gd_pending:
+            self._gd_refs += sum(map(len, gd_pending))
+            hits["wgd"] += self._gd.reference_all(gd_pending)
 
     def _decide(self) -> None:
         refs = self._refs
@@ -322,6 +347,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         if self.mode == "wgd":
             self._close_window()
         self.mode = expert
+        self._use_keys_of(expert)
         self._misses_in_mode = 0
         self._leads = {name: [] for name in EXPERTS}
         self.switches.append((self.references, expert))

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from radixserve.cache.evict import prefix_identity
+from radixserve.cache.shadow import PrefixHasher, PrefixRecords
 from radixserve.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -60,15 +60,21 @@ def _bins(ages: np.ndarray) -> np.ndarray:
     return np.clip(b, 0, _NUM_BINS - 1)
 
 
+def _window_ends(window: float) -> np.ndarray:
+    """For every age bin, the end (exclusive) of the bins within `window` after its edge."""
+    return np.minimum(_bins(_EDGES + window) + 1, _NUM_BINS)
+
+
 class LearnedLRUPolicy:
     """LRU with a tolerated age per hit class, learned online (see the module docstring).
 
     Arguments: `classes` hit classes (hit counts 0 .. classes - 2, then the rest); ghosts of
     up to `ghost` x the pool's tokens; a horizon of `horizon` eviction ages; estimates renewed
     every `epoch` references, and halved every 16 epochs so that old traffic fades.
-    Costs per reference: one walk up the referenced path; per insertion and per eviction, one
-    walk up the node's path to hash its prefix (as `wgd`). Every epoch, one re-key of the
-    evictable leaves (O(n log n)) if a tolerance changed.
+    Costs per reference: one walk up the referenced path; per node, once, checksums of its
+    tokens continued from its parent's (`cache.shadow.PrefixRecords`), which name it for
+    ghosts. Every epoch, one re-key of the evictable leaves (O(n)) if a tolerance changed.
+    Memory: a record and a state per node (about 300 bytes), ghosts of evicted nodes.
     """
 
     name = "learned-lru"
@@ -90,7 +96,8 @@ class LearnedLRUPolicy:
         """Start afresh for `cache` (called by the tree when it is created or reset)."""
         self.cache = cache
         pool = cache.allocator.size if cache is not None else 0
-        self._page_bytes = 4 * cache.page_size if cache is not None else 4
+        page_size = cache.page_size if cache is not None else 1
+        self._names = PrefixRecords(PrefixHasher(None, 0.0, page_size))
         self._ghost_limit = self.ghost * pool
         self._ghosts: OrderedDict[int, tuple[int, float, int]] = OrderedDict()
         self._ghost_tokens = 0
@@ -110,7 +117,8 @@ class LearnedLRUPolicy:
         return min(node.hit_count, self.classes - 1)
 
     def key(self, node: TreeNode) -> float:
-        return node.last_access_time + self.tolerance[self.hit_class(node)]
+        hits, top = node.hit_count, self.classes - 1
+        return node.last_access_time + self.tolerance[hits if hits < top else top]
 
     # -- observations -------------------------------------------------------------------
 
@@ -125,7 +133,10 @@ class LearnedLRUPolicy:
 
     def identity(self, node: TreeNode) -> int:
         """A name for where `node` starts, equal for a later node cached at the same place."""
-        return prefix_identity(node, self._page_bytes)
+        return self._names.identity(node)
+
+    def _forget(self, node: TreeNode) -> None:
+        self._names.forget(node)
 
     def on_insert(self, node: TreeNode) -> None:
         now = node.last_access_time
@@ -141,6 +152,7 @@ class LearnedLRUPolicy:
         now = node.last_access_time
         states = self._state
         top = self.classes - 1
+        horizon = self._horizon()
         walker = node
         while walker.parent is not None:
             state = states.get(walker)
@@ -148,12 +160,19 @@ class LearnedLRUPolicy:
             if state is None:  # the upper half of a split: no history of its own
                 states[walker] = [now, cls]
             elif state[0] != now:
-                self._observe(state[1], now - state[0], len(walker))
+                age = now - state[0]
+                tokens = len(walker.value)
+                if age > horizon:
+                    self._never[state[1]] += tokens
+                else:
+                    self._reused[state[1]][_bin(age)] += tokens
                 state[0], state[1] = now, cls
             else:
                 state[1] = cls
             walker = walker.parent
-        self._expire_ghosts(now)
+        ghosts = self._ghosts
+        if ghosts and now - next(iter(ghosts.values()))[1] > horizon:
+            self._expire_ghosts(now)
         self._references += 1
         if self._references % self.epoch == 0:
             self._renew()
@@ -169,8 +188,10 @@ class LearnedLRUPolicy:
         )
         if age > self._horizon() or not self._ghost_limit:
             self._never[cls] += len(node)
+            self._forget(node)
             return
         identity = self.identity(node)
+        self._forget(node)
         old = self._ghosts.pop(identity, None)
         if old is not None:
             self._ghost_tokens -= old[2]
@@ -197,9 +218,12 @@ class LearnedLRUPolicy:
     def reuse_within(self, reused: np.ndarray, never: float, window: float) -> np.ndarray:
         """p(a) for every age bin: the share of tokens unreused at age a that are reused
         within `window` after it, from a histogram of reuse ages and the tokens never reused."""
+        return self._reuse_within(reused, never, _window_ends(window))
+
+    @staticmethod
+    def _reuse_within(reused: np.ndarray, never: float, ends: np.ndarray) -> np.ndarray:
         cum = np.concatenate([[0.0], np.cumsum(reused)])
         survivors = cum[-1] - cum[:-1] + never
-        ends = np.minimum(_bins(_EDGES + window) + 1, _NUM_BINS)
         within = cum[ends] - cum[:-1]
         return np.divide(within, survivors, out=np.zeros(_NUM_BINS), where=survivors > 0)
 
@@ -211,10 +235,11 @@ class LearnedLRUPolicy:
         # E at the histogram's resolution: the tolerances move, and the leaves are re-keyed,
         # only when E crosses a bin edge, not at every eviction.
         window = float(_EDGES[_bin(self.eviction_age)])
+        ends = _window_ends(window)
         horizon = self.horizon * window
         last_bin = _bin(horizon)
         reused, never = np.array(self._reused), np.array(self._never)
-        pooled = self.reuse_within(reused.sum(0), float(never.sum()), window)
+        pooled = self._reuse_within(reused.sum(0), float(never.sum()), ends)
         reference = pooled[_bin(window)]
         totals = reused.sum(1) + never
         tolerance = []
@@ -222,7 +247,7 @@ class LearnedLRUPolicy:
             if totals[cls] < _MIN_SHARE * totals.sum():
                 tolerance.append(window)
                 continue
-            p = np.minimum.accumulate(self.reuse_within(reused[cls], float(never[cls]), window))
+            p = np.minimum.accumulate(self._reuse_within(reused[cls], float(never[cls]), ends))
             below = np.flatnonzero(p[: last_bin + 1] < reference)
             tolerance.append(float(_EDGES[below[0]]) if below.size else horizon)
         return tolerance

@@ -442,13 +442,10 @@ class RadixCache:
 
     def refresh_all_eviction_keys(self) -> None:
         """Recompute every evictable leaf's key: for a policy whose ranking changed wholesale."""
-        leaves = [entry[2] for entry in self._heap if entry[2] is not None]
         key = self.policy.key
-        entries = []
-        for node in leaves:
-            entry = [key(node), next(self._counter), node]
-            node.heap_entry = entry
-            entries.append(entry)
+        entries = [entry for entry in self._heap if entry[2] is not None]
+        for entry in entries:  # a leaf keeps its entry, and its place among equal keys
+            entry[0] = key(entry[2])
         self._heap[:] = entries  # in place: evict() may hold this list
         heapq.heapify(self._heap)
 

@@ -9,69 +9,129 @@ parent is always used at least as recently as its children), so the LRU shadow i
 the LFU and GreedyDual shadows treat pages as independent objects, an approximation that the
 adaptive policy corrects by comparing them with the real tree while it follows them.
 
-`PrefixHasher` names pages by a polynomial hash of every token up to the page's end, computed
-incrementally along a tree edge from the hash where the edge starts.
+`PrefixHasher` names the units sampled, blocks of a fixed number of tokens, by checksums of
+every token up to the block's end, continued along a tree edge from where the edge starts.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import zlib
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
 
-import numpy as np
+from radixserve.cache.hashing import TOKEN_BYTES, namespace_seed
 
-_MULT = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
-_MASK = 2**64 - 1
+if TYPE_CHECKING:
+    from radixserve.cache.radix import TreeNode
+
+# A prefix's state: its CRC-32, its Adler-32, and how many of its bytes are past its last
+# block end.
+HashState = tuple[int, int, int]
 
 
 class PrefixHasher:
-    """Hashes of token-sequence prefixes at page ends, and which pages are sampled.
+    """Names of token-sequence prefixes at block ends, and which blocks are sampled.
 
-    The hash of a prefix t_0..t_i continuing from `start` is
-    start * B**(i+1) + sum_j t_j * B**(i-j) modulo 2**64, for an odd B; a page is sampled
-    when that hash is below `rate` x 2**64, so its high bits decide.
+    A block ends every `block_tokens` tokens from the start of a sequence. Its name is the
+    CRC-32 and the Adler-32 (zlib's, both continued across calls, so any cut of a sequence into
+    edges gives the same names) of the namespace seed and every token up to its end, as one
+    64-bit integer. A block is sampled when its prefix's CRC-32 is below `rate` x 2**32.
+    Hashing costs one pair of C calls per block end, and none per token.
     """
 
-    def __init__(self, page_size: int, rate: float) -> None:
-        self.page_size = page_size
+    def __init__(self, block_tokens: int | None, rate: float, page_tokens: int = 1) -> None:
+        # No blocks (None): only first pages are named.
+        self.block_bytes = TOKEN_BYTES * block_tokens if block_tokens else 1 << 62
+        self.page_bytes = TOKEN_BYTES * page_tokens
         self.rate = rate
-        self.threshold = np.uint64(min(_MASK, int(rate * 2.0**64)))
-        self._powers = np.ones(1, dtype=np.uint64)
-        self._inverses = np.ones(1, dtype=np.uint64)
+        self.threshold = min(2**32, int(rate * 2.0**32))
 
-    def _grow(self, n: int) -> None:
-        size = max(n, 2 * len(self._powers))
-        old = len(self._powers)
-        powers = np.empty(size, dtype=np.uint64)
-        inverses = np.empty(size, dtype=np.uint64)
-        powers[:old], inverses[:old] = self._powers, self._inverses
-        p, q = int(self._powers[-1]), int(self._inverses[-1])
-        step, back = _MULT, pow(_MULT, -1, 2**64)
-        for i in range(old, size):
-            p, q = p * step & _MASK, q * back & _MASK
-            powers[i], inverses[i] = p, q
-        self._powers, self._inverses = powers, inverses
+    def seed(self, seed: bytes) -> HashState:
+        """The state before the first token of a sequence in the namespace named by `seed`."""
+        return zlib.crc32(seed), zlib.adler32(seed), 0
 
-    def page_hashes(self, start: int, key: bytes) -> np.ndarray:
-        """The hash at each page end of `key` (int32 LE tokens), continuing from `start`."""
-        tokens = np.frombuffer(key, dtype=np.uint32)
-        n = len(tokens)
-        if n >= len(self._powers):
-            self._grow(n + 1)
-        x = tokens * self._inverses[:n]  # uint64, wrapping
-        x[0] += np.uint64(start * _MULT & _MASK)
-        x.cumsum(out=x)
-        x *= self._powers[:n]
-        if self.page_size > 1:
-            x = x[self.page_size - 1 :: self.page_size]
-        return x
+    def end_and_samples(self, start: HashState, key: bytes) -> tuple[HashState, int, list[int]]:
+        """(state at the end of `key`, the name at its first page's end, its sampled blocks'
+        names) for `key` (int32 LE tokens) continuing from `start`."""
+        crc, adler, into = start
+        data = memoryview(key)
+        n = len(data)
+        head = data[: self.page_bytes]
+        first = zlib.crc32(head, crc) << 32 | zlib.adler32(head, adler)
+        sampled = []
+        threshold, block = self.threshold, self.block_bytes
+        done = 0
+        cut = block - into
+        while cut <= n:
+            part = data[done:cut]
+            crc, adler = zlib.crc32(part, crc), zlib.adler32(part, adler)
+            if crc < threshold:
+                sampled.append(crc << 32 | adler)
+            done, cut = cut, cut + block
+        if done < n:
+            part = data[done:]
+            crc, adler = zlib.crc32(part, crc), zlib.adler32(part, adler)
+        return (crc, adler, (into + n) % block), first, sampled
 
-    def end_and_samples(self, start: int, key: bytes) -> tuple[int, int, list[int]]:
-        """(hash at the end of `key`, hash at its first page's end, sampled pages' hashes)."""
-        hashes = self.page_hashes(start, key)
-        sampled = hashes[hashes < self.threshold].tolist() if self.threshold else []
-        return int(hashes[-1]), int(hashes[0]), sampled
+
+# What PrefixRecords keeps of a node: (edge bytes when recorded, the hash state at its end,
+# its first page's name, the names of the sampled blocks that end in it).
+Record = tuple[int, HashState, int, list[int]]
+
+
+class PrefixRecords:
+    """`PrefixHasher`'s names for the nodes of one radix tree, computed once per node.
+
+    A node's record is kept until `forget`; one whose edge was shortened by a split is
+    recomputed from the nearest ancestor with a valid record, so names never depend on where
+    edges were cut. Memory: one record per node, about 200 bytes.
+    """
+
+    def __init__(self, hasher: PrefixHasher) -> None:
+        self.hasher = hasher
+        self._records: dict[TreeNode, Record] = {}
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def record(self, node: TreeNode) -> Record:
+        """`node`'s record, computing it and those of ancestors without a valid one."""
+        records = self._records
+        record = records.get(node)
+        if record is not None and record[0] == len(node.key):
+            return record
+        stale = [node]
+        above = node.parent
+        while above.parent is not None:
+            record = records.get(above)
+            if record is not None and record[0] == len(above.key):
+                break
+            stale.append(above)
+            above = above.parent
+        if above.parent is not None:
+            start = record[1]
+        else:  # the same in every process
+            start = self.hasher.seed(b"radixserve" + namespace_seed(above.extra_key))
+        for todo in reversed(stale):
+            end, first, sampled = self.hasher.end_and_samples(start, todo.key)
+            record = records[todo] = (len(todo.key), end, first, sampled)
+            start = end
+        return record
+
+    def get(self, node: TreeNode) -> Record | None:
+        """`node`'s record if it has a valid one (a dict lookup, for walks)."""
+        record = self._records.get(node)
+        return record if record is not None and record[0] == len(node.key) else None
+
+    def identity(self, node: TreeNode) -> int:
+        """A name for where `node` starts (its first page's), equal for a later node cached at
+        the same place."""
+        return self.record(node)[2]
+
+    def forget(self, node: TreeNode) -> None:
+        self._records.pop(node, None)
 
 
 class _Shadow:
@@ -100,6 +160,11 @@ class _Shadow:
         while len(present) > self.capacity:
             self._evict()
         return len(hits)
+
+    def reference_all(self, requests: list[list[int]]) -> int:
+        """`reference` for each of `requests` in order; returns the hits."""
+        reference = self.reference
+        return sum([reference(pages) for pages in requests])
 
     def access(self, page: int) -> bool:
         """One use of one page; True if it was cached."""
@@ -132,7 +197,8 @@ class LRUShadow(_Shadow):
             while len(cached) > self.capacity:
                 cached.popitem(last=False)
         for page in hits:  # the hits end newest: the new pages are deeper
-            cached.move_to_end(page)
+            if page in cached:  # not evicted by a request larger than the shadow
+                cached.move_to_end(page)
         return len(hits)
 
 
@@ -151,6 +217,33 @@ class LFUShadow(_Shadow):
 
     def __len__(self) -> int:
         return len(self._count)
+
+    def reference(self, pages: list[int]) -> int:
+        # The base class's steps, with the hits written out on the buckets.
+        count, buckets = self._count, self._buckets
+        hits = [page for page in pages if page in count]
+        for page in hits:
+            n = count[page]
+            bucket = buckets[n]
+            del bucket[page]
+            if not bucket:
+                del buckets[n]
+                if self._min == n:
+                    self._min = n + 1
+            count[page] = n + 1
+            above = buckets.get(n + 1)
+            if above is None:
+                above = buckets[n + 1] = OrderedDict()
+            above[page] = None
+        if len(hits) < len(pages):
+            misses = [page for page in pages if page not in count]
+            for _ in range(min(len(count), len(count) + len(misses) - self.capacity)):
+                self._evict()
+            for page in misses:
+                self._insert(page)
+            while len(count) > self.capacity:
+                self._evict()
+        return len(hits)
 
     def _hit(self, page: int) -> None:
         count = self._count[page]
@@ -202,10 +295,36 @@ class GreedyDualShadow(_Shadow):
 
     def _set(self, page: int, key: tuple) -> None:
         self._keys[page] = key
-        heapq.heappush(self._heap, (key, page))
+        heapq.heappush(self._heap, (*key, page))
         if len(self._heap) > 2 * len(self._keys) + 1024:
-            self._heap = [(k, p) for p, k in self._keys.items()]
+            self._heap = [(*k, p) for p, k in self._keys.items()]
             heapq.heapify(self._heap)
+
+    def reference_all(self, requests: list[list[int]]) -> int:
+        # The base class's steps; a request whose pages are all cached (the common case) is
+        # written out without a call per page.
+        keys, hits_of, in_window = self._keys, self._hits, self._in_window
+        reference = self.reference
+        log2 = math.log2
+        total = 0
+        for pages in requests:
+            if not all(page in keys for page in pages):
+                total += reference(pages)
+                continue
+            total += len(pages)
+            level = self._level
+            heap = self._heap
+            for page in pages:
+                self.clock += 1
+                count = hits_of[page] + 1
+                hits_of[page] = count
+                in_window.discard(page)
+                key = keys[page] = (level + log2(2 + count), 1, self.clock)
+                heapq.heappush(heap, (*key, page))
+            if len(heap) > 2 * len(keys) + 1024:
+                self._heap = [(*k, p) for p, k in keys.items()]
+                heapq.heapify(self._heap)
+        return total
 
     def _hit(self, page: int) -> None:
         self.clock += 1
@@ -234,7 +353,8 @@ class GreedyDualShadow(_Shadow):
 
     def _evict(self) -> None:
         while True:
-            key, victim = heapq.heappop(self._heap)
+            entry = heapq.heappop(self._heap)
+            victim, key = entry[3], entry[:3]
             if self._keys.get(victim) == key:
                 break
         del self._keys[victim]
