@@ -17,7 +17,9 @@ evict in ms; per workload: total time and token hit rate; then the reference/rad
     python bench/cache_ops.py --policies lru,wgd,slru   # (b) under each eviction policy
 
 With `--policies`, workload (b) is also run under each named eviction policy, each beside LRU
-in the same run: the per-call costs and their ratio to LRU's.
+in the same run: the per-call costs and their ratio to LRU's, and the total's ratio in each of
+`--rounds` rounds (default 3) that alternate LRU and the policy, with their median: on a
+shared machine one pair of runs can be 20% off either way.
 """
 
 from __future__ import annotations
@@ -252,16 +254,23 @@ def row(label: str, t: Timings) -> str:
     )
 
 
-def policy_rows(work: Workload, lru: Timings, policies: list[str]) -> None:
-    """Workload (b) under each policy, with its per-call costs over LRU's from this run."""
+def policy_rows(work: Workload, lru: Timings, policies: list[str], rounds: int) -> None:
+    """Workload (b) under each policy, with its per-call costs over LRU's from this run, and
+    its total over LRU's in each of `rounds` rounds that alternate the two."""
     for policy in policies:
         t = lru if policy == "lru" else run(work, policy=policy)
         print(row(f"radixserve, {policy}", t))
+        totals = [t.total / lru.total]
+        if policy != "lru":
+            for _ in range(rounds - 1):
+                base = run(work)
+                totals.append(run(work, policy=policy).total / base.total)
+        each = ", ".join(f"{r:.2f}" for r in totals)
         print(
             f"    / lru: match {np.mean(t.match) / np.mean(lru.match):.2f}x, insert "
             f"{np.mean(t.insert) / np.mean(lru.insert):.2f}x, evict "
             f"{np.mean(t.evict) / np.mean(lru.evict):.2f}x per call, total "
-            f"{t.total / lru.total:.2f}x"
+            f"{float(np.median(totals)):.2f}x (median of {len(totals)} rounds: {each})"
         )
 
 
@@ -270,6 +279,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="run a tenth of the requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", default="", help="eviction policies to time on (b)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds alternating each policy with LRU"
+    )
     args = parser.parse_args()
     scale = 0.1 if args.quick else 1.0
     header = (
@@ -296,7 +308,7 @@ def main() -> None:
         ratios.append(f"total {ref.total / ours.total:.1f}x")
         print("  speed-up over naive: " + ", ".join(ratios))
         if work.name == "b" and args.policies:
-            policy_rows(work, ours, [p for p in args.policies.split(",") if p])
+            policy_rows(work, ours, [p for p in args.policies.split(",") if p], args.rounds)
         what, limit = TARGETS[work.name]
         value = _stats(getattr(ours, what), 1e6 if what == "match" else 1e3)[0]
         unit = "µs" if what == "match" else "ms"

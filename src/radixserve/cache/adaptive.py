@@ -9,7 +9,7 @@ advance, and the regime changes over a day. So this policy runs all three and me
   subset of the blocks every request references, so each estimates what its policy would hit
   at the real cache's size. A block is a page in small pools and grows to 64 tokens in large
   ones (where the sample is at most one block in four). The shadows take the sampled
-  references in batches of 64 requests. The LRU shadow tracks tree LRU closely (per-page LRU
+  references in batches of 16 requests. The LRU shadow tracks tree LRU closely (per-page LRU
   is tree LRU); the LFU shadow treats blocks as independent objects, and the wgd shadow,
   which models a policy of tree nodes with blocks, can be several points optimistic.
 - **The real tree** ranks its leaves by one expert's key at a time: the base expert's (at
@@ -67,7 +67,7 @@ _GD_SHARE = 4
 _GD_HANDICAP = 0.05
 _WINDOW_EPOCHS = 16
 _BLOCK_TOKENS = 64
-_BATCH = 64  # requests whose sampled references the shadows take at once
+_BATCH = 16  # requests whose sampled references the shadows take at once
 
 
 def _lfu_key(node: TreeNode) -> tuple[int, float]:
