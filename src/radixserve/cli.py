@@ -497,6 +497,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "device": args.device,
         "threads": args.threads,
         "compile": args.compile,
+        "compile_aot": args.compile_aot,
         "hicache_size_gb": args.hicache_size,
         "hicache_host_dtype": args.hicache_host_dtype,
         "hicache_write_policy": args.hicache_write_policy,
@@ -843,6 +844,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run decode steps through torch.compile (faster small-batch decode; the first "
         "start compiles for a minute or more, later starts reuse the on-disk cache)",
+    )
+    sv.add_argument(
+        "--compile-aot",
+        action="store_true",
+        help="as --compile, with the batch-1 step compiled ahead of time by AOTInductor "
+        "(faster single-stream decode on CPU; the first start compiles for a few minutes, "
+        "later starts load the package from ~/.cache/radixserve/aot or $RADIXSERVE_CACHE)",
     )
     sv.add_argument(
         "--request-timeout",

@@ -36,6 +36,7 @@ class EngineConfig:
     max_context: int | None = None
     decode_attention: str = "auto"
     compile: bool = False
+    compile_aot: bool = False
     hicache_size_gb: float | None = None
     hicache_host_dtype: str | None = None
     hicache_write_policy: str = "write_through"

@@ -30,6 +30,7 @@ from radixserve.cache.storage.host import HostStorage
 from radixserve.cache.tiers import PrefetchCostModel, StorageIO, StorageTier, TieredCache
 from radixserve.config import EngineConfig
 from radixserve.errors import EngineError, InvalidArgumentError
+from radixserve.model.aot import AOTDecode
 from radixserve.model.attention import AttentionMetadata, make_attention_backend
 from radixserve.model.compiled import CompiledDecode, warm_up_batch_sizes
 from radixserve.model.grammar import GrammarBackend, GrammarSpec
@@ -152,7 +153,9 @@ class Engine:
         self.tiers = TieredCache(self.cache, self.host_tier, storage_tier)
         """The device tree with its tiers: `tiers.match_prefix` reports each tier's length."""
         self.attention = make_attention_backend("torch", decode=config.decode_attention)
-        self.compiled_decode = self._compile_decode() if config.compile else None
+        self.compiled_decode = (
+            self._compile_decode() if config.compile or config.compile_aot else None
+        )
         self._live: dict[str, _Live] = {}
         self.failed_steps = 0
         self._sampling_started = False
@@ -244,6 +247,8 @@ class Engine:
         """The compiled decode path, warmed for every batch-size class; None (eager) when
         compiling fails, with the reason logged."""
         compiled = CompiledDecode(self.model, self.kv, self.device)
+        if self.config.compile_aot:
+            compiled.aot = self._build_aot()
         sizes = warm_up_batch_sizes(self.model, self.config.max_running_requests)
         log.info("compiling the decode step for batch sizes %s", ",".join(map(str, sizes)))
         try:
@@ -255,6 +260,18 @@ class Engine:
             "compiled the decode step in %.1f s (later starts reuse the on-disk cache)", seconds
         )
         return compiled
+
+    def _build_aot(self) -> AOTDecode | None:
+        """The batch-1 step compiled ahead of time; None (torch.compile serves batch 1 too)
+        when it cannot be built, with the reason logged."""
+        if self.device.type != "cpu":
+            log.warning("--compile-aot is implemented for the CPU only; ignored on %s", self.device)
+            return None
+        try:
+            return AOTDecode.build(self.model, self.kv)
+        except Exception as exc:  # any export or compiler failure: keep torch.compile's graph
+            log.warning("AOTInductor failed, batch 1 stays on torch.compile: %s", exc)
+            return None
 
     # -- requests ---------------------------------------------------------------------------
 
