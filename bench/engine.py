@@ -28,7 +28,9 @@
     AVX2/AVX512 named: a native build of 0.3.36 segfaulted on its first eval here).
 
 `--compile` runs decode steps through torch.compile (`EngineConfig.compile`) in parts a-f, and
-adds a compiled radixserve row to part (g) beside the eager one.
+adds a compiled radixserve row to part (g) beside the eager one. `--compile-aot` does the same
+with the batch-1 step compiled ahead of time (`EngineConfig.compile_aot`); its first run
+compiles for a few minutes, later ones load the cached package.
 
 `--weight-format` picks the format of parts a, c and d (default auto); part b, the
 transformers comparison, always runs on the float32 weights.
@@ -191,10 +193,12 @@ def part_b(args, make_engine, on_run) -> None:
 
 def part_c(args, make_engine) -> dict:
     """Decode rates by batch size; with --compile, eager and compiled in the same run."""
-    modes = [False, True] if args.compile else [False]
+    modes = [False, True] if args.compile or args.compile_aot else [False]
     rates: dict[bool, dict[int, float]] = {}
     for compiled in modes:
-        engine = make_engine(kv_cache_tokens=8192, compile=compiled)
+        engine = make_engine(
+            kv_cache_tokens=8192, compile=compiled, compile_aot=compiled and args.compile_aot
+        )
         rates[compiled] = {}
         rng = np.random.default_rng(1)
         for batch in (1, 8, 32):
@@ -207,7 +211,7 @@ def part_c(args, make_engine) -> dict:
                 f"(c) decode, batch {batch:>2}{' compiled' if compiled else ''}: "
                 f"{rate:8.1f} tok/s ({rate / batch:.1f} per request){ratio}"
             )
-    return rates[args.compile]
+    return rates[args.compile or args.compile_aot]
 
 
 def streaming_bandwidth(dev: torch.device) -> float:
@@ -290,6 +294,7 @@ def main() -> None:
     parser.add_argument("--peer-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="EngineConfig.compile")
+    parser.add_argument("--compile-aot", action="store_true", help="EngineConfig.compile_aot")
     parser.add_argument("--groups", type=int, default=GROUPS)
     parser.add_argument("--hf-groups", type=int, default=GROUPS)
     args = parser.parse_args()
@@ -303,6 +308,7 @@ def main() -> None:
         options.setdefault("weight_format", args.weight_format)
         options.setdefault("dtype", args.dtype)
         options.setdefault("compile", args.compile)
+        options.setdefault("compile_aot", args.compile_aot)
         return Engine(device=args.device, threads=args.threads, **options)
 
     on_run = part_a(args, make_engine) if "a" in parts else None
@@ -373,6 +379,7 @@ def peer_figures(side: str, threads: int, weight_format: str) -> dict:
             weight_format=weight_format,
             kv_cache_tokens=4096,
             compile=side == "radixserve --compile",
+            compile_aot=side == "radixserve --compile-aot",
         )
         engine.generate([prompt[:64]], {"max_new_tokens": 2})
         run = timed_run(engine, [prompt], {"max_new_tokens": 1})
@@ -385,7 +392,12 @@ def peer_figures(side: str, threads: int, weight_format: str) -> dict:
 
 
 def part_g(args) -> None:
-    sides = ["radixserve", *(["radixserve --compile"] if args.compile else []), "llama.cpp"]
+    sides = [
+        "radixserve",
+        *(["radixserve --compile"] if args.compile else []),
+        *(["radixserve --compile-aot"] if args.compile_aot else []),
+        "llama.cpp",
+    ]
     rows = {}
     for side in sides:
         out = subprocess.run(
@@ -410,11 +422,11 @@ def part_g(args) -> None:
         ours = rows[side]
         for key, name in (("prefill", "prefill 512, tok/s"), ("decode", "decode b1, tok/s")):
             print(
-                f"    {name:<20} {side:<21} {ours[key]:7.1f}  llama.cpp {peer[key]:7.1f}  "
+                f"    {name:<20} {side:<26} {ours[key]:7.1f}  llama.cpp {peer[key]:7.1f}  "
                 f"ratio {ours[key] / peer[key]:.2f}x"
             )
         print(
-            f"    {'RSS, MiB':<20} {side:<21} {ours['rss_mib']:7.0f}  "
+            f"    {'RSS, MiB':<20} {side:<26} {ours['rss_mib']:7.0f}  "
             f"llama.cpp {peer['rss_mib']:7.0f}"
         )
 
