@@ -29,9 +29,11 @@ def test_the_ahead_of_time_step_gives_the_eager_greedy_tokens(
         calls["n"] += 1
         return aot(*args)
 
+    counted.max_width = aot.max_width
     compiled.aot = counted
     assert staggered(engine) == eager
     assert calls["n"] >= 4  # the steps where one request decoded alone
+    assert engine.compiled_decode is compiled  # no step failed over to eager
     assert list((tmp_path / "aot").glob("*.pt2"))
 
 

@@ -78,7 +78,9 @@ class CompiledDecode:
         for tensor in (table, mask):
             torch._dynamo.maybe_mark_dynamic(tensor, 1)
         self.kv.wait_all()  # pages a tier loaded: the graph reads every layer
-        graph = self.aot if self.aot is not None and len(context) == 1 else self._graph
+        aot = self.aot
+        use_aot = aot is not None and len(context) == 1 and table.shape[1] <= aot.max_width
+        graph = aot if use_aot else self._graph
         with torch.no_grad():
             return graph(input_ids, positions, table, mask, self.kv.k, self.kv.v)
 
