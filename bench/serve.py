@@ -10,7 +10,7 @@ first with `--install-llama-cpp`). With `--llama-server` it builds llama.cpp's o
 (LLAMA_CPP_VERSION, downloaded from PyPI; cached under ~/.cache/radixserve-bench) and runs it
 with 8 parallel slots and continuous batching (`-np 8 -cb`) on the same GGUF and the same
 token ids; both sides count tokens the same way (`ignore_eos`, equal `max_tokens`).
-`--compile` starts the radixserve servers with `--compile`.
+`--compile` starts the radixserve servers with `--compile`, `--compile-aot` with `--compile-aot`.
 
     python bench/serve.py                     # rates 0.5, 1, 2 req/s, 32 requests each
     python bench/serve.py --quick             # one rate, 12 requests
@@ -106,7 +106,8 @@ def start_server(command: list[str], port: int, ready: str | None) -> subprocess
     # server blocks on a full pipe.
     output = subprocess.PIPE if ready is not None else subprocess.DEVNULL
     proc = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 180
+    # A first start with --compile-aot compiles for minutes before it serves.
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if ready is not None:
             line = proc.stdout.readline()
@@ -301,6 +302,7 @@ def main() -> None:
         "--llama-server", action="store_true", help="also bench llama.cpp's llama-server -np 8"
     )
     parser.add_argument("--compile", action="store_true", help="radixserve serve --compile")
+    parser.add_argument("--compile-aot", action="store_true", help="radixserve serve --compile-aot")
     parser.add_argument("--long-prompt", action="store_true", help="only the mixed-chunk run")
     parser.add_argument("--chunked-prefill-size", type=int, default=None, help="for the servers")
     args = parser.parse_args()
@@ -330,6 +332,8 @@ def main() -> None:
         base += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
     if args.compile:
         base.append("--compile")
+    if args.compile_aot:
+        base.append("--compile-aot")
     if args.long_prompt:
         bench_long_prompt(base)
         return
