@@ -6,7 +6,7 @@ import pytest
 import torch
 from model_helpers import make_engine
 
-from radixserve.model.sampling import SamplingState, filter_probs, sample
+from radixserve.model.sampling import SamplingState, filter_probs, greedy_tokens, sample
 from radixserve.sched import SamplingParams
 
 
@@ -43,6 +43,17 @@ def test_greedy_ignores_the_seed_and_sampling_follows_it():
     draws_a = [sample(logits, [s])[0].token for s in [state(temperature=1.0, seed=3)] * 8]
     draws_b = [sample(logits, [s])[0].token for s in [state(temperature=1.0, seed=3)] * 8]
     assert draws_a == draws_b
+
+
+def test_greedy_tokens_are_torchs_argmax_ties_and_nans_included():
+    rows = torch.randn(6, 300, generator=torch.Generator().manual_seed(2))
+    rows[1, [7, 40]] = 50.0  # a tie: the first index wins
+    rows[2, :] = float("-inf")
+    rows[2, 9] = -1.0
+    rows[3, 12] = float("nan")  # NaN is the largest, as in torch
+    rows[4, :] = 0.0
+    assert greedy_tokens(rows) == rows.argmax(dim=-1).tolist() == greedy_tokens(rows.double())
+    assert greedy_tokens(rows)[1:4] == [7, 9, 12]
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-8])

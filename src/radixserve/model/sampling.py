@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from radixserve.model.grammar import GrammarMatcher, apply_masks
@@ -99,6 +100,15 @@ def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     return probs / probs.sum()
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The first index of each row's largest value (a NaN counts as largest), as torch's
+    `argmax` gives it. On the CPU numpy finds it: torch's `argmax` over a 49,152-token vocabulary
+    took 51 µs for one row and 1.3 ms for 32 here, numpy's 5 µs and 0.11 ms."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return logits.argmax(dim=-1).tolist()
+    return np.argmax(logits.numpy(), axis=-1).tolist()
+
+
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampleOutput]:
     """One next token per row of `logits` [B, vocab], each by its own request's rules."""
     logits = logits.float()
@@ -114,7 +124,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampleOutp
     ]
     tokens: list[int] = [0] * len(states)
     if greedy_rows:
-        picked = logits[greedy_rows].argmax(dim=-1).tolist()
+        picked = greedy_tokens(logits if len(greedy_rows) == len(states) else logits[greedy_rows])
         for row, token in zip(greedy_rows, picked, strict=True):
             tokens[row] = token
     greedy = set(greedy_rows)
