@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixserve.model import llama, quant
+from radixserve.model import attention, llama, quant
 from radixserve.model.compiled import WIDTH_STEP, context_table
 from radixserve.model.kv import KVPool
 from radixserve.model.llama import LlamaForCausalLM
@@ -56,13 +56,16 @@ def package_key(model: LlamaForCausalLM, kv: KVPool) -> str:
     """A digest of everything the compiled step depends on, except the weights' values."""
     parts = {
         "config": repr(model.config),
-        "modules": [f"{name}:{type(m).__name__}" for name, m in model.named_modules()],
+        "modules": [
+            f"{name}:{type(m).__name__}:{getattr(m, 'dense_from_rows', '')}"
+            for name, m in model.named_modules()
+        ],
         "tensors": [
             f"{name}:{tuple(t.shape)}:{t.dtype}"
             for name, t in [*model.named_parameters(), *model.named_buffers()]
         ],
         "kv": [str(kv.k.dtype), tuple(kv.k.shape)],  # the pool's shape is static in the step
-        "source": [Path(m.__file__).read_text() for m in (llama, quant)],
+        "source": [Path(m.__file__).read_text() for m in (attention, llama, quant)],
         "torch": torch.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
     }
