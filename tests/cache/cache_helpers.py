@@ -51,6 +51,19 @@ def cache_sequence(cache: RadixCache, seq, priority: float = 0, extra_key=None) 
     return cached
 
 
+def serve_random_prompt(cache: RadixCache, rng: np.random.Generator, i: int) -> None:
+    """One request of a churn over shared and random prefixes: evict for it, match it, cache
+    it, and check the tree's invariants."""
+    base = [7, 7, 7] if rng.random() < 0.5 else [int(rng.integers(1, 50))]
+    prompt = [*base, *rng.integers(0, 40, int(rng.integers(1, 12))), i % 7]
+    short = len(prompt) - cache.allocator.available_size()
+    if short > 0:
+        cache.evict(short)
+    cache.match_prefix(tokens(prompt))
+    cache_sequence(cache, prompt)
+    cache.check_invariants()
+
+
 def trace_of(prompts) -> list[TraceRequest]:
     """One trace request per prompt, in order, with no answer."""
     return [

@@ -11,6 +11,7 @@ from cache_helpers import (
     cache_sequence,
     chat_sessions,
     hot_and_scan,
+    serve_random_prompt,
     tokens,
 )
 
@@ -200,14 +201,7 @@ def test_switches_keep_every_invariant():
     for i in range(1_400):
         if i % 200 == 199:
             policy.follow(order[i // 200])
-        base = [7, 7, 7] if rng.random() < 0.5 else [int(rng.integers(1, 50))]
-        prompt = [*base, *rng.integers(0, 40, int(rng.integers(1, 12))), i % 7]
-        short = len(prompt) - cache.allocator.available_size()
-        if short > 0:
-            cache.evict(short)
-        cache.match_prefix(tokens(prompt))
-        cache_sequence(cache, prompt)
-        cache.check_invariants()
+        serve_random_prompt(cache, rng, i)
     assert [mode for _, mode in policy.switches] == order
     with pytest.raises(InvalidArgumentError):
         policy.follow("mru")

@@ -9,6 +9,7 @@ from cache_helpers import (
     cache_sequence,
     chat_sessions,
     hot_and_scan,
+    serve_random_prompt,
     tokens,
 )
 
@@ -81,14 +82,7 @@ def test_tolerance_changes_keep_every_invariant():
     changes = 0
     for i in range(1_400):
         before = list(policy.tolerance)
-        base = [7, 7, 7] if rng.random() < 0.5 else [int(rng.integers(1, 50))]
-        prompt = [*base, *rng.integers(0, 40, int(rng.integers(1, 12))), i % 7]
-        short = len(prompt) - cache.allocator.available_size()
-        if short > 0:
-            cache.evict(short)
-        cache.match_prefix(tokens(prompt))
-        cache_sequence(cache, prompt)
-        cache.check_invariants()
+        serve_random_prompt(cache, rng, i)
         changes += policy.tolerance != before
     assert changes >= 3, "the tolerances moved, and every key followed"
 

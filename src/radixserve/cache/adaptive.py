@@ -183,9 +183,6 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
 
     # -- keys ------------------------------------------------------------------------------
 
-    def key(self, node: TreeNode):
-        return self._key_of(self.mode)(node)
-
     def _key_of(self, mode: str):
         """The key function of the expert `mode`."""
         if mode == "lru":
@@ -195,8 +192,8 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         return super().key
 
     def _use_keys_of(self, mode: str) -> None:
-        # The tree asks for a key per leaf pushed: the expert's own function answers, not a
-        # dispatch on the mode.
+        # `key` (the tree asks for one per leaf pushed) is the followed expert's own function,
+        # set here from bind() on, not a dispatch on the mode.
         self.key = self._key_of(mode)
 
     # wgd's own bookkeeping (window, ghosts, L) runs only while the tree follows wgd. Nodes

@@ -150,16 +150,19 @@ class _Shadow:
         hits = [page for page in pages if page in present]
         for page in hits:
             self._hit(page)
-        if len(hits) == len(pages):
-            return len(hits)
-        misses = [page for page in pages if page not in present]
+        if len(hits) < len(pages):
+            self._admit([page for page in pages if page not in present])
+        return len(hits)
+
+    def _admit(self, misses: list[int]) -> None:
+        """Make room for a request's `misses` (its hits already renewed), then insert them."""
+        present = self._present
         for _ in range(min(len(present), len(present) + len(misses) - self.capacity)):
             self._evict()
         for page in misses:
             self._insert(page)
         while len(present) > self.capacity:
             self._evict()
-        return len(hits)
 
     def reference_all(self, requests: list[list[int]]) -> int:
         """`reference` for each of `requests` in order; returns the hits."""
@@ -236,13 +239,7 @@ class LFUShadow(_Shadow):
                 above = buckets[n + 1] = OrderedDict()
             above[page] = None
         if len(hits) < len(pages):
-            misses = [page for page in pages if page not in count]
-            for _ in range(min(len(count), len(count) + len(misses) - self.capacity)):
-                self._evict()
-            for page in misses:
-                self._insert(page)
-            while len(count) > self.capacity:
-                self._evict()
+            self._admit([page for page in pages if page not in count])
         return len(hits)
 
     def _hit(self, page: int) -> None:
