@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from radixserve.engine import Engine
@@ -18,9 +19,28 @@ DEVICE = os.environ.get("RADIXSERVE_TEST_DEVICE", "cpu")
 """bench/gpu_check.sh runs these tests with the engine on CUDA by setting this variable."""
 
 
+CPU_ONLY_FORMATS = ("int4", "int8")
+
+
 def make_engine(model=None, **options) -> Engine:
-    """An engine on the test device (CPU unless RADIXSERVE_TEST_DEVICE says otherwise)."""
-    return Engine(None if model is None else str(model), device=DEVICE, **options)
+    """An engine on the test device (CPU unless RADIXSERVE_TEST_DEVICE says otherwise); int4
+    and int8 weights run on the CPU only, so an engine with them stays there."""
+    cpu_only = options.get("weight_format") in CPU_ONLY_FORMATS
+    options.setdefault("device", "cpu" if cpu_only else DEVICE)
+    return Engine(None if model is None else str(model), **options)
+
+
+def needs_embedded_model() -> None:
+    """Skip when the embedded GGUF is missing on a GPU check's machine, where its 92 MB do not
+    travel. On the CPU a missing model stays an error: the README's set-up installs it."""
+    from radixserve.model.loader import ModelNotFoundError, default_model_path
+
+    try:
+        default_model_path()
+    except ModelNotFoundError:
+        if DEVICE == "cpu":
+            raise
+        pytest.skip("the embedded model does not travel to the GPU check's machine")
 
 
 VOCAB = 96

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from model_helpers import make_engine
+from model_helpers import make_engine, needs_embedded_model
 
 from radixserve.model import loader
 
 
 @pytest.fixture(scope="module")
 def smol():
+    needs_embedded_model()
     return make_engine(threads=2, kv_cache_tokens=4096)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from model_helpers import make_engine
+from model_helpers import make_engine, needs_embedded_model
 
 from radixserve.errors import InvalidArgumentError
 from radixserve.model.quant import (
@@ -103,8 +103,9 @@ def test_int4_and_int8_layers_match_their_dequantized_reference(bias):
 @pytest.mark.parametrize("fmt", ["int4", "int8", "bfloat16"])
 @torch.inference_mode()
 def test_every_layer_of_a_quantized_model_matches_its_dequantized_reference(llama_dir, fmt):
-    floats = make_engine(llama_dir, weight_format="float32").model
-    quantized = make_engine(llama_dir, weight_format=fmt).model
+    """Layer arithmetic, checked on the CPU for every format."""
+    floats = make_engine(llama_dir, weight_format="float32", device="cpu").model
+    quantized = make_engine(llama_dir, weight_format=fmt, device="cpu").model
     assert quantized.model.embed_tokens.weight.dtype == torch.bfloat16
     kinds = set()
     for name, module in floats.named_modules():
@@ -180,6 +181,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def float_reference():
+    needs_embedded_model()
     engine = make_engine(weight_format="float32", threads=2)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
     return ids, engine.generate(ids, {"max_new_tokens": 24, "ignore_eos": True})
@@ -212,6 +214,7 @@ def test_greedy_tokens_on_the_embedded_model_agree_with_float32(float_reference,
 
 
 def test_auto_picks_the_files_own_int4_on_the_embedded_model():
+    needs_embedded_model()
     engine = make_engine(threads=2, kv_cache_tokens=1024)
     from radixserve.model.quant import bf16_kernels_pay_off
 
@@ -269,6 +272,7 @@ def test_a_dense_copy_in_onednn_layout_gives_the_same_bits(bias):
 
 
 def test_the_embedded_model_loads_with_its_dense_copies_blocked():
+    needs_embedded_model()
     engine = make_engine(threads=2, kv_cache_tokens=1024)
     layers = [m for m in engine.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     if not layers or not torch.backends.mkldnn.is_available():
