@@ -192,26 +192,34 @@ def part_b(args, make_engine, on_run) -> None:
 
 
 def part_c(args, make_engine) -> dict:
-    """Decode rates by batch size; with --compile, eager and compiled in the same run."""
-    modes = [False, True] if args.compile or args.compile_aot else [False]
-    rates: dict[bool, dict[int, float]] = {}
-    for compiled in modes:
-        engine = make_engine(
-            kv_cache_tokens=8192, compile=compiled, compile_aot=compiled and args.compile_aot
-        )
-        rates[compiled] = {}
+    """Decode rates by batch size, each variant beside eager in the same run: on CUDA eager
+    is without CUDA graphs and a second variant replays them; --compile adds a compiled one."""
+    cuda = args.device.startswith("cuda")
+    variants = {"eager": dict(compile=False, compile_aot=False, cuda_graph=False)}
+    if cuda:
+        variants["cuda graphs"] = dict(compile=False, compile_aot=False, cuda_graph=True)
+    if args.compile or args.compile_aot:
+        variants["compiled"] = dict(compile=True, compile_aot=args.compile_aot, cuda_graph=cuda)
+    rates: dict[str, dict[int, float]] = {}
+    for name, options in variants.items():
+        engine = make_engine(kv_cache_tokens=8192, **options)
+        rates[name] = {}
         rng = np.random.default_rng(1)
         for batch in (1, 8, 32):
             prompts = [rng.integers(100, 40_000, 16).tolist() for _ in range(batch)]
-            run = timed_run(engine, prompts, {"max_new_tokens": 64, "ignore_eos": True})
+            params = {"max_new_tokens": 64, "ignore_eos": True}
+            if cuda:  # graphs for the widths this run reaches are captured before timing
+                timed_run(engine, prompts, params)
+            run = timed_run(engine, prompts, params)
             decoded = run["out_tokens"] - batch  # the first token of each comes from prefill
-            rates[compiled][batch] = rate = decoded / run["decode"]
-            ratio = f"  {rate / rates[False][batch]:.2f}x eager" if compiled else ""
+            rates[name][batch] = rate = decoded / run["decode"]
+            ratio = f"  {rate / rates['eager'][batch]:.2f}x eager" if name != "eager" else ""
+            label = "" if name == "eager" else f" {name}"
             print(
-                f"(c) decode, batch {batch:>2}{' compiled' if compiled else ''}: "
+                f"(c) decode, batch {batch:>2}{label}: "
                 f"{rate:8.1f} tok/s ({rate / batch:.1f} per request){ratio}"
             )
-    return rates[args.compile or args.compile_aot]
+    return rates[list(variants)[-1]]
 
 
 def streaming_bandwidth(dev: torch.device) -> float:
@@ -289,6 +297,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--weight-format", default="auto")
+    parser.add_argument(
+        "--model", default=None, help="a checkpoint other than the embedded model (parts a-f)"
+    )
     parser.add_argument("--llama-cpp", action="store_true", help="part (g): llama.cpp beside us")
     parser.add_argument("--install-llama-cpp", action="store_true", help="build it first")
     parser.add_argument("--peer-child", default=None, help=argparse.SUPPRESS)
@@ -309,7 +320,7 @@ def main() -> None:
         options.setdefault("dtype", args.dtype)
         options.setdefault("compile", args.compile)
         options.setdefault("compile_aot", args.compile_aot)
-        return Engine(device=args.device, threads=args.threads, **options)
+        return Engine(args.model, device=args.device, threads=args.threads, **options)
 
     on_run = part_a(args, make_engine) if "a" in parts else None
     if "b" in parts:

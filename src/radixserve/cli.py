@@ -498,6 +498,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "threads": args.threads,
         "compile": args.compile,
         "compile_aot": args.compile_aot,
+        "cuda_graph": not args.disable_cuda_graph,
         "hicache_size_gb": args.hicache_size,
         "hicache_host_dtype": args.hicache_host_dtype,
         "hicache_write_policy": args.hicache_write_policy,
@@ -851,6 +852,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="as --compile, with the batch-1 step compiled ahead of time by AOTInductor "
         "(faster single-stream decode on CPU; the first start compiles for a few minutes, "
         "later starts load the package from ~/.cache/radixserve/aot or $RADIXSERVE_CACHE)",
+    )
+    sv.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="on CUDA, launch decode steps kernel by kernel instead of replaying captured "
+        "CUDA graphs (slower for small batches; for debugging)",
     )
     sv.add_argument(
         "--request-timeout",

@@ -37,6 +37,7 @@ class EngineConfig:
     decode_attention: str = "auto"
     compile: bool = False
     compile_aot: bool = False
+    cuda_graph: bool = True
     hicache_size_gb: float | None = None
     hicache_host_dtype: str | None = None
     hicache_write_policy: str = "write_through"

@@ -33,6 +33,8 @@ from radixserve.errors import EngineError, InvalidArgumentError
 from radixserve.model.aot import AOTDecode
 from radixserve.model.attention import AttentionMetadata, make_attention_backend
 from radixserve.model.compiled import CompiledDecode, warm_up_batch_sizes
+from radixserve.model.cuda_graph import MAX_WIDTH as GRAPH_MAX_WIDTH
+from radixserve.model.cuda_graph import CudaGraphDecode
 from radixserve.model.grammar import GrammarBackend, GrammarSpec
 from radixserve.model.kv import CastingCopier, KVPool
 from radixserve.model.loader import load_model, model_identity
@@ -153,9 +155,11 @@ class Engine:
         self.tiers = TieredCache(self.cache, self.host_tier, storage_tier)
         """The device tree with its tiers: `tiers.match_prefix` reports each tier's length."""
         self.attention = make_attention_backend("torch", decode=config.decode_attention)
-        self.compiled_decode = (
+        self.compiled_decode: CompiledDecode | CudaGraphDecode | None = (
             self._compile_decode() if config.compile or config.compile_aot else None
         )
+        if self.device.type == "cuda" and config.cuda_graph:
+            self.compiled_decode = self._capture_decode(self.compiled_decode)
         self._live: dict[str, _Live] = {}
         self.failed_steps = 0
         self._sampling_started = False
@@ -260,6 +264,30 @@ class Engine:
             "compiled the decode step in %.1f s (later starts reuse the on-disk cache)", seconds
         )
         return compiled
+
+    def _capture_decode(self, compiled: CompiledDecode | None):
+        """Decode steps replayed from CUDA graphs of the compiled step, or of the eager one;
+        `compiled` unchanged when capturing fails or a replay disagrees with the eager step,
+        with the reason logged."""
+        step = compiled.step if compiled is not None else self.model.decode_step
+        width = min(self.max_context, GRAPH_MAX_WIDTH)
+        graphs = CudaGraphDecode(
+            step, self.kv, self.device, self.config.max_running_requests, width
+        )
+        try:
+            seconds = graphs.warm_up()
+            graphs.verify(self.model.config.vocab_size)
+        except Exception as exc:  # a step that cannot be captured runs without graphs
+            log.warning("CUDA graph capture failed, decoding without graphs: %s", exc)
+            return compiled
+        log.info(
+            "captured %d decode graphs (batch buckets %s) in %.1f s; wider contexts are "
+            "captured on first use",
+            len(graphs.graphs),
+            ",".join(map(str, graphs.buckets)),
+            seconds,
+        )
+        return graphs
 
     def _build_aot(self) -> AOTDecode | None:
         """The batch-1 step compiled ahead of time; None (torch.compile serves batch 1 too)
@@ -665,13 +693,9 @@ class Engine:
     def _compiled_forward(self, entries, ids, positions, new_slots) -> torch.Tensor | None:
         """Logits of a decode batch from the compiled graph; None (run it eagerly) when the
         graph fails, which also turns the compiled path off for good."""
-        dev = self.device
         try:
             return self.compiled_decode(
-                torch.from_numpy(ids).to(dev),
-                torch.from_numpy(positions).to(dev),
-                [e.prefix_slots for e in entries],
-                torch.from_numpy(new_slots).to(dev),
+                ids, positions, [e.prefix_slots for e in entries], new_slots
             )
         except Exception as exc:  # the eager path can still run this step
             log.warning("compiled decode failed, decoding eagerly from now on: %s", exc)

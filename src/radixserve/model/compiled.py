@@ -46,16 +46,25 @@ class CompiledDecode:
         )
         self.aot = None  # an AOTDecode for batch 1 (`radixserve.model.aot`), when built
 
+    @property
+    def step(self):
+        """The compiled `decode_step` (CUDA graphs capture it on CUDA)."""
+        return self._graph
+
     def __call__(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
         context: list[np.ndarray],
-        new_slots: torch.Tensor,
+        new_slots: np.ndarray,
     ) -> torch.Tensor:
-        """Logits [B, vocab] of one decode step; `context[b]` holds request b's prefix slots."""
-        logits, k, v = self._run(input_ids, positions, context)
-        self.kv.write_all_layers(new_slots, k, v)
+        """Logits [B, vocab] of one decode step; `context[b]` holds request b's prefix slots.
+        Arrays are on the host (tensors anywhere are taken too)."""
+        ids, pos, slots = (
+            torch.as_tensor(a, device=self.device) for a in (input_ids, positions, new_slots)
+        )
+        logits, k, v = self._run(ids, pos, context)
+        self.kv.write_all_layers(slots, k, v)
         return logits
 
     def warm_up(self, batch_sizes: tuple[int, ...]) -> float:
@@ -73,16 +82,21 @@ class CompiledDecode:
         table, mask = context_table(context)
         table = torch.from_numpy(table).to(self.device)
         mask = torch.from_numpy(mask).to(self.device)
-        for tensor in (input_ids, positions, table, mask):
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        for tensor in (table, mask):
-            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        mark_dynamic_inputs(input_ids, positions, table, mask)
         self.kv.wait_all()  # pages a tier loaded: the graph reads every layer
         aot = self.aot
         use_aot = aot is not None and len(context) == 1 and table.shape[1] <= aot.max_width
         graph = aot if use_aot else self._graph
         with torch.no_grad():
             return graph(input_ids, positions, table, mask, self.kv.k, self.kv.v)
+
+
+def mark_dynamic_inputs(input_ids, positions, table, mask) -> None:
+    """Let one graph serve every batch size and context width of its class."""
+    for tensor in (input_ids, positions, table, mask):
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    for tensor in (table, mask):
+        torch._dynamo.maybe_mark_dynamic(tensor, 1)
 
 
 def context_table(context: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
