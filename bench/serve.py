@@ -288,7 +288,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rates", default="0.5,1,2")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--threads", type=int, default=2, help="one-token-step threads, every server"
+    )
+    parser.add_argument(
+        "--threads-batch",
+        type=int,
+        default=None,
+        help="threads for larger steps (default --threads)",
+    )
     parser.add_argument(
         "--servers", default="on,off", help="radixserve configurations to run: on, off (cache)"
     )
@@ -310,6 +318,7 @@ def main() -> None:
         (3, 4, 256, 32, 16) if args.quick else (4, 8, 512, 32, 16)
     )
     rates = [1.0] if args.quick else [float(r) for r in args.rates.split(",")]
+    threads_batch = args.threads_batch or args.threads
     prompts = workload(groups, per_group, system, question, seed=0)
     unique = groups * system + len(prompts) * question
     total = sum(len(p) for p in prompts)
@@ -325,6 +334,8 @@ def main() -> None:
         "serve",
         "--threads",
         str(args.threads),
+        "--threads-batch",
+        str(threads_batch),
         "--kv-cache-tokens",
         "32768",
     ]
@@ -375,6 +386,8 @@ def main() -> None:
                 str(port),
                 "--n_threads",
                 str(args.threads),
+                "--n_threads_batch",
+                str(threads_batch),
                 "--n_ctx",
                 "4096",
             ]
@@ -396,7 +409,7 @@ def main() -> None:
             "--threads",
             str(args.threads),
             "--threads-batch",
-            str(args.threads),
+            str(threads_batch),
             "-np",
             str(slots),
             "-cb",

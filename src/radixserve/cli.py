@@ -496,6 +496,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "weight_format": args.weight_format,
         "device": args.device,
         "threads": args.threads,
+        "threads_batch": args.threads_batch,
         "compile": args.compile,
         "compile_aot": args.compile_aot,
         "cuda_graph": not args.disable_cuda_graph,
@@ -839,7 +840,20 @@ def build_parser() -> argparse.ArgumentParser:
         "int4/int8 numbers where the CPU runs them faster, else float)",
     )
     sv.add_argument("--device", default="cpu")
-    sv.add_argument("--threads", type=int, default=None)
+    sv.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the model (for one-token steps when --threads-batch is given)",
+    )
+    sv.add_argument(
+        "--threads-batch",
+        type=int,
+        default=None,
+        help="CPU threads for steps of more than one token (default: --threads), as "
+        "llama.cpp's -tb; one-token steps use --threads, so --threads below the core count "
+        "leaves a core to the server and its clients while a lone stream decodes",
+    )
     sv.add_argument(
         "--compile",
         action="store_true",

@@ -32,6 +32,7 @@ class EngineConfig:
     weight_format: str = "auto"
     device: str = "cpu"
     threads: int | None = None
+    threads_batch: int | None = None
     seed: int = 0
     max_context: int | None = None
     decode_attention: str = "auto"
@@ -55,7 +56,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("kv_cache_tokens", "threads", "max_context"):
+        for name in ("kv_cache_tokens", "threads", "threads_batch", "max_context"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidArgumentError(f"{name} must be an integer >= 1 or None, got {value!r}")

@@ -256,7 +256,7 @@ class Engine:
         sizes = warm_up_batch_sizes(self.model, self.config.max_running_requests)
         log.info("compiling the decode step for batch sizes %s", ",".join(map(str, sizes)))
         try:
-            seconds = compiled.warm_up(sizes)
+            seconds = compiled.warm_up(sizes, lambda rows: self._set_threads(rows == 1))
         except Exception as exc:  # any compiler failure means: stay eager
             log.warning("torch.compile failed, decoding eagerly: %s", str(exc).splitlines()[0])
             return None
@@ -296,6 +296,7 @@ class Engine:
             log.warning("--compile-aot is implemented for the CPU only; ignored on %s", self.device)
             return None
         try:
+            self._set_threads(True)
             return AOTDecode.build(self.model, self.kv)
         except Exception as exc:  # any export or compiler failure: keep torch.compile's graph
             log.warning("AOTInductor failed, batch 1 stays on torch.compile: %s", exc)
@@ -639,6 +640,7 @@ class Engine:
     def _forward(self, batch: Batch) -> list[int]:
         """Run the model on `batch` and sample; one token per entry (0 where none is sampled)."""
         entries = batch.entries
+        self._use_threads(entries)
         dev = self.device
         ids = np.concatenate([e.token_ids for e in entries]).astype(np.int64)
         new_slots = np.concatenate([e.new_slots for e in entries])
@@ -689,6 +691,20 @@ class Engine:
             self.attention,
         )
         return self._sample(entries, logits, sampled)
+
+    def _use_threads(self, entries) -> None:
+        self._set_threads(len(entries) == 1 and len(entries[0].token_ids) == 1)
+
+    def _set_threads(self, one_token: bool) -> None:
+        """`threads` for a step of one token, `threads_batch` for every larger step, as
+        llama.cpp's -t and -tb; nothing changes unless `threads_batch` is set. Graphs are
+        compiled under the count they will run with: inductor sizes its loops to it."""
+        config = self.config
+        if config.threads_batch is None:
+            return
+        want = config.threads if one_token else config.threads_batch
+        if want is not None and want != torch.get_num_threads():
+            torch.set_num_threads(want)
 
     def _compiled_forward(self, entries, ids, positions, new_slots) -> torch.Tensor | None:
         """Logits of a decode batch from the compiled graph; None (run it eagerly) when the

@@ -172,3 +172,26 @@ def test_compiled_decode_reaches_the_onednn_dense_copies(llama_dir, monkeypatch)
     reference = forward_decode(engine, ids, prefixes, new_slots).float()
     scale = reference.abs().max()
     assert (logits.float() - reference).abs().max() < 2e-2 * scale
+
+
+def test_graphs_compile_under_the_threads_they_will_run_with(llama_dir, monkeypatch):
+    """Inductor sizes its parallel loops to the thread count at compile time: the batch-1
+    graph compiles under `threads`, larger ones under `threads_batch`."""
+    from radixserve.model import compiled
+
+    seen = []
+
+    def recording_compile(fn, **options):
+        def graph(input_ids, *args):
+            seen.append((len(input_ids), torch.get_num_threads()))
+            return fn(input_ids, *args)
+
+        return graph
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(compiled.torch, "compile", recording_compile)
+    try:
+        make_engine(llama_dir, compile=True, threads=1, threads_batch=2, max_running_requests=4)
+    finally:
+        torch.set_num_threads(before)
+    assert sorted(set(seen)) == [(1, 1), (2, 2)]

@@ -109,3 +109,26 @@ def test_float32_engine_agrees_with_float64_on_a_short_run(llama_dir, reference)
     engine = make_engine(llama_dir)
     results = engine.generate(PROMPTS[:2], {"max_new_tokens": 6})
     assert [r.token_ids for r in results] == [ref[:6] for ref in reference[:2]]
+
+
+def test_one_token_steps_use_threads_and_larger_ones_threads_batch(llama_dir, reference):
+    """As llama.cpp's -t and -tb; the outputs do not depend on either."""
+    import torch
+
+    before = torch.get_num_threads()
+    engine = make_engine(llama_dir, dtype="float64", threads=1, threads_batch=2)
+    seen: dict[bool, set[int]] = {}
+    forward = engine.model.forward
+
+    def recording(input_ids, *args, **kwargs):
+        seen.setdefault(len(input_ids) == 1, set()).add(torch.get_num_threads())
+        return forward(input_ids, *args, **kwargs)
+
+    engine.model.forward = recording
+    try:
+        results = engine.generate(PROMPTS, {"max_new_tokens": 24})
+        engine.generate(PROMPTS[:1], {"max_new_tokens": 8})  # a lone stream: one-token steps
+    finally:
+        torch.set_num_threads(before)
+    assert [r.token_ids for r in results] == reference
+    assert seen == {True: {1}, False: {2}}

@@ -68,6 +68,7 @@ def package_key(model: LlamaForCausalLM, kv: KVPool) -> str:
         "source": [Path(m.__file__).read_text() for m in (attention, llama, quant)],
         "torch": torch.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),  # inductor sizes its parallel loops to it
     }
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
 

@@ -67,13 +67,16 @@ class CompiledDecode:
         self.kv.write_all_layers(slots, k, v)
         return logits
 
-    def warm_up(self, batch_sizes: tuple[int, ...]) -> float:
-        """Compile the graphs these batch sizes need, on dummy inputs that write nothing;
-        returns the seconds it took. Raises what the compiler raises."""
+    def warm_up(self, batch_sizes: tuple[int, ...], before=None) -> float:
+        """Compile the graphs these batch sizes need, on dummy inputs that write nothing,
+        calling `before(rows)` first for each; returns the seconds it took. Raises what the
+        compiler raises."""
         start = time.perf_counter()
         for rows in batch_sizes:
             if rows == 1 and self.aot is not None:
                 continue
+            if before is not None:
+                before(rows)
             ids = torch.zeros(rows, dtype=torch.long, device=self.device)
             self._run(ids, ids + 1, [np.zeros(1, dtype=np.int64)] * rows)
         return time.perf_counter() - start
