@@ -222,16 +222,22 @@ def part_c(args, make_engine) -> dict:
     return rates[list(variants)[-1]]
 
 
+def sync(dev: torch.device) -> None:
+    """Wait for the device's queued work, so that a timer brackets only what it should."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def streaming_bandwidth(dev: torch.device) -> float:
     """Bytes per second of a float32 matrix-vector product over 512 MiB."""
     w = torch.randn(8192, 16384, device=dev)
     x = torch.randn(16384, device=dev)
     w @ x
+    sync(dev)
     t0 = time.perf_counter()
     for _ in range(5):
         w @ x
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    sync(dev)
     return 5 * w.numel() * w.element_size() / (time.perf_counter() - t0)
 
 
@@ -245,11 +251,11 @@ def part_d(args, make_engine, decode_rates) -> None:
     for _ in range(2):
         a @ b
     reps = 10
+    sync(dev)
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    sync(dev)
     flops = 2 * 2048**3 * reps / (time.perf_counter() - t0)
     del a, b
     bandwidth = streaming_bandwidth(dev)
