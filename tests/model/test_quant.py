@@ -59,16 +59,17 @@ def test_gguf_q8_0_blocks_map_exactly_to_int8_groups_and_their_two_int4_halves()
 def test_a_q8_0_layer_matches_its_own_numbers_packed_and_dense(bias):
     weight = RNG.standard_normal((64, 128)).astype(np.float32)
     groups = gguf_q8_0_groups(quantize(weight, GGMLQuantizationType.Q8_0))
-    b = torch.randn(64) if bias else None
+    b = torch.from_numpy(RNG.standard_normal(64)).float() if bias else None
     layer = Int8GroupLinear(groups, b, torch.bfloat16, dense_from_rows=4)
     assert (layer.in_features, layer.out_features) == (128, 64)
     for rows in (1, 3, 4, 9):  # the int4 halves below 4 rows, the bfloat16 copy from there
-        x = torch.randn(rows, 128).bfloat16()
+        x = torch.from_numpy(RNG.standard_normal((rows, 128))).bfloat16()
         reference = x.double() @ torch.from_numpy(groups.dequantize()).double().T
         if b is not None:
             reference = reference + b.double()
-        # tighter than the requantized formats: only the scales round (to bfloat16)
-        assert relative_error(layer(x), reference) < LAYER_TOLERANCE / 4
+        # tighter than the requantized formats: only the scales and the bfloat16 output round
+        # (twice with a bias; one unseeded draw measured 0.0055 there)
+        assert relative_error(layer(x), reference) < LAYER_TOLERANCE / 2
 
 
 def test_requantized_int4_groups_are_within_half_a_step():
