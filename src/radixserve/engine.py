@@ -640,7 +640,7 @@ class Engine:
     def _forward(self, batch: Batch) -> list[int]:
         """Run the model on `batch` and sample; one token per entry (0 where none is sampled)."""
         entries = batch.entries
-        self._use_threads(entries)
+        self._set_threads(len(entries) == 1 and len(entries[0].token_ids) == 1)
         dev = self.device
         ids = np.concatenate([e.token_ids for e in entries]).astype(np.int64)
         new_slots = np.concatenate([e.new_slots for e in entries])
@@ -691,9 +691,6 @@ class Engine:
             self.attention,
         )
         return self._sample(entries, logits, sampled)
-
-    def _use_threads(self, entries) -> None:
-        self._set_threads(len(entries) == 1 and len(entries[0].token_ids) == 1)
 
     def _set_threads(self, one_token: bool) -> None:
         """`threads` for a step of one token, `threads_batch` for every larger step, as

@@ -30,6 +30,23 @@ def make_engine(model=None, **options) -> Engine:
     return Engine(None if model is None else str(model), **options)
 
 
+def run_arrivals(engine, arrivals: list[tuple[int, list[int]]], params) -> list[list[int]]:
+    """Step `engine` until it is idle, adding each `(step, prompt)` of `arrivals` (in step
+    order) at that step and checking the cache's invariants after every step; returns each
+    request's tokens, in arrival order."""
+    pending, rids, tokens, step = list(arrivals), [], {}, 0
+    while pending or engine.has_work():
+        while pending and pending[0][0] <= step:
+            rid = engine.add_request(pending.pop(0)[1], params)
+            rids.append(rid)
+            tokens[rid] = []
+        for chunk in engine.step():
+            tokens[chunk.rid] += chunk.token_ids
+        engine.check_invariants()
+        step += 1
+    return [tokens[r] for r in rids]
+
+
 def needs_embedded_model() -> None:
     """Skip when the embedded GGUF is missing on a GPU check's machine, where its 92 MB do not
     travel. On the CPU a missing model stays an error: the README's set-up installs it."""

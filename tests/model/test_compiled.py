@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from model_helpers import DEVICE, make_engine
+from model_helpers import DEVICE, make_engine, run_arrivals
 
 from radixserve.model.compiled import WIDTH_STEP, context_table
 
@@ -79,19 +79,8 @@ def test_context_table_pads_to_a_width_step():
 
 def staggered(engine) -> list[list[int]]:
     """One request alone, then three that join it: decode batches of 1, 2, 3 and 4."""
-    rids = [engine.add_request([3, 4, 5, 6], GREEDY)]
-    tokens: dict[str, list[int]] = {rids[0]: []}
-    step = 0
-    while engine.has_work():
-        if step in (4, 6, 9):
-            rid = engine.add_request(list(range(10 + step, 30 + 2 * step)), GREEDY)
-            rids.append(rid)
-            tokens[rid] = []
-        for chunk in engine.step():
-            tokens[chunk.rid] += chunk.token_ids
-        engine.check_invariants()
-        step += 1
-    return [tokens[r] for r in rids]
+    joining = [(step, list(range(10 + step, 30 + 2 * step))) for step in (4, 6, 9)]
+    return run_arrivals(engine, [(0, [3, 4, 5, 6]), *joining], GREEDY)
 
 
 def test_compiled_decode_gives_the_eager_greedy_tokens(llama_dir, caplog):

@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from model_helpers import DEVICE, make_engine
+from model_helpers import DEVICE, make_engine, run_arrivals
 from test_compiled import prefilled
 
 from radixserve.model.compiled import context_table
@@ -45,17 +45,7 @@ def waves(engine) -> list[list[int]]:
     decode batches of 1 to 6 rows, widths across three buckets."""
     lengths = [5, 70, 130, 2, 190, 100]
     prompts = [[3 + (7 * i + n) % 90 for i in range(n)] for n in lengths]
-    rids, tokens, step = [], {}, 0
-    while prompts or engine.has_work():
-        if prompts and step % 7 == 0:
-            rid = engine.add_request(prompts.pop(0), GREEDY)
-            rids.append(rid)
-            tokens[rid] = []
-        for chunk in engine.step():
-            tokens[chunk.rid] += chunk.token_ids
-        engine.check_invariants()
-        step += 1
-    return [tokens[r] for r in rids]
+    return run_arrivals(engine, [(7 * k, p) for k, p in enumerate(prompts)], GREEDY)
 
 
 def graph_engine(llama_dir, max_batch: int, max_width: int):

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from radixserve.model.compiled import mark_dynamic_inputs
+from radixserve.model.compiled import context_table, mark_dynamic_inputs
 from radixserve.model.kv import KVPool
 
 MIN_WIDTH = 64
@@ -154,15 +154,10 @@ class CudaGraphDecode:
         return graph.run()
 
     def _direct(self, input_ids, context, lengths):
-        width = max(1, int(lengths.max()))
-        table = np.zeros((len(context), width), dtype=np.int64)
-        for row, slots in enumerate(context):
-            table[row, : len(slots)] = slots
         dev = self.device
+        table, mask = (torch.from_numpy(a).to(dev) for a in context_table(context))
         ids, lens = (torch.as_tensor(a, device=dev) for a in (input_ids, lengths))
-        mask = torch.arange(width, device=dev)[None, :] < lens[:, None]
         with torch.no_grad():
-            table = torch.from_numpy(table).to(dev)
             return self.step(ids, lens, table, mask, self.kv.k, self.kv.v)
 
     def _build(self, rows: int, width: int) -> _Graph:
