@@ -184,3 +184,27 @@ def test_graphs_compile_under_the_threads_they_will_run_with(llama_dir, monkeypa
     finally:
         torch.set_num_threads(before)
     assert sorted(set(seen)) == [(1, 1), (2, 2)]
+
+
+def test_compiled_cpu_attention_form_equals_the_matmul_form():
+    """Under inductor on the CPU, decode attention runs as fused products and sums; it must
+    give the matmul form's numbers, with GQA, padded widths and a row with no context."""
+    from radixserve.model.attention import single_query_attention
+
+    gen = torch.Generator().manual_seed(5)
+    rows, width, heads, kv_heads, dim = 4, 40, 6, 2, 16
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k_new, v_new = draw(rows, heads, dim), draw(rows, kv_heads, dim), draw(rows, kv_heads, dim)
+    k_ctx, v_ctx = draw(rows, width, kv_heads, dim), draw(rows, width, kv_heads, dim)
+    lengths = torch.tensor([40, 17, 0, 1])
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    eager = single_query_attention(q, k_ctx, v_ctx, k_new, v_new, mask)
+    compiled = torch.compile(single_query_attention, dynamic=False)(
+        q, k_ctx, v_ctx, k_new, v_new, mask
+    )
+    torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)
+    # The empty row attends to its own key alone.
+    torch.testing.assert_close(eager[2], v_new[2].repeat_interleave(heads // kv_heads, 0))

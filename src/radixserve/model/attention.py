@@ -150,6 +150,8 @@ def single_query_attention(
     context entries; k_new, v_new [B, kv_heads, D]. Scores, softmax and the weighted sum run in
     float32 (float64 stays float64); the output [B, heads, D] is in q's dtype.
     """
+    if q.device.type == "cpu" and q.shape[0] > 1 and torch.compiler.is_compiling():
+        return _broadcast_attention(q, k_context, v_context, k_new, v_new, mask)
     rows, heads, dim = q.shape
     kv_heads = k_context.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -160,6 +162,28 @@ def single_query_attention(
     own = (qg * k_new.to(acc)[:, :, None, :]).sum(-1, keepdim=True)  # [B, Hkv, G, 1]
     probs = torch.softmax(torch.cat([scores, own], dim=-1), dim=-1)
     out = torch.matmul(probs[..., :-1], values) + probs[..., -1:] * v_new.to(acc)[:, :, None, :]
+    return out.reshape(rows, heads, dim).to(q.dtype)
+
+
+def _broadcast_attention(q, k_context, v_context, k_new, v_new, mask) -> torch.Tensor:
+    """`single_query_attention` as products and sums in the pool's own [B, W, Hkv, D]
+    layout, for inductor on the CPU: it fuses the gather, the conversion and both reductions
+    into loops over contiguous rows, where the matmul form transposes every gathered key
+    scalar by scalar first. Batch 32, 80-token contexts: 643 against 511 tok/s; batch 8, 1,000
+    tokens: 97-124 against 72-85 (`bench/engine.py --parts c --compile`). Inductor splits
+    these loops over the rows, so one row runs on one thread: batch 1 at 1,500 tokens measured
+    26 against 31-44 tok/s and keeps the matmul form. Eager, this form would materialize
+    [B, W, heads, D]."""
+    rows, heads, dim = q.shape
+    kv_heads = k_context.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qg = q.reshape(rows, 1, kv_heads, heads // kv_heads, dim).to(acc) * (dim**-0.5)
+    keys = torch.cat([k_context, k_new[:, None]], dim=1).to(acc)[:, :, :, None, :]
+    values = torch.cat([v_context, v_new[:, None]], dim=1).to(acc)[:, :, :, None, :]
+    scores = (qg * keys).sum(-1)  # [B, W + 1, Hkv, G]
+    real = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)[:, :, None, None]
+    probs = torch.softmax(scores.masked_fill(~real, float("-inf")), dim=1)
+    out = (probs[..., None] * values).sum(1)  # [B, Hkv, G, D]
     return out.reshape(rows, heads, dim).to(q.dtype)
 
 

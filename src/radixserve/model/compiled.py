@@ -3,9 +3,10 @@
 Eager PyTorch runs a small-batch decode step as about a thousand small operators, each a few
 microseconds of dispatch (docs/cpu-decode.md). `torch.compile` over the whole of
 `LlamaForCausalLM.decode_step` fuses the norms, rotary embedding, softmax and activations
-into a few generated loops around the weight and attention matmuls. (Attention written as
-broadcasts and sums, which inductor fuses with the gather, measured slower at every context
-length: 17.4 against 16.2 ms a step at 40 tokens, 42.7 against 28.2 ms at 1,500.)
+into a few generated loops around the weight matmuls. Attention over the gathered context is
+written as broadcasts and sums for batches of two or more, which inductor fuses with the
+gather, and as matmuls for one request, whose fused loops would run on one thread
+(`radixserve.model.attention.single_query_attention`).
 
 The step writes nothing inside the graph: the new keys and values come out and are stored by
 one `index_copy_`, so the graph never copies the pool (an in-graph write to a view of the pool
