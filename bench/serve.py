@@ -11,6 +11,9 @@ first with `--install-llama-cpp`). With `--llama-server` it builds llama.cpp's o
 with 8 parallel slots and continuous batching (`-np 8 -cb`) on the same GGUF and the same
 token ids; both sides count tokens the same way (`ignore_eos`, equal `max_tokens`).
 `--compile` starts the radixserve servers with `--compile`, `--compile-aot` with `--compile-aot`.
+Every rate starts cold on every server (radixserve flushes its cache, llama.cpp's servers are
+restarted); `--warm` instead precedes each rate by an unmeasured pass of the same prompts, so
+that every server holds the shared prefixes (llama-server in its slots) when it is measured.
 
     python bench/serve.py                     # rates 0.5, 1, 2 req/s, 32 requests each
     python bench/serve.py --quick             # one rate, 12 requests
@@ -207,12 +210,22 @@ async def run_rate(url: str, prompts, rate: float, max_tokens: int, seed: int) -
     }
 
 
-def bench_server(name, command, port, ready, prompts, rates, max_tokens) -> list[dict]:
+def bench_server(name, command, port, ready, prompts, rates, max_tokens, warm=False) -> list[dict]:
+    """One row per rate. Every rate starts cold on every server: radixserve flushes its cache,
+    a server without that endpoint is restarted. With `warm`, nothing is flushed and each
+    rate is preceded by an unmeasured pass of the same prompts, so every server starts it
+    holding what that workload shares."""
     proc = start_server(command, port, ready)
     url = f"http://127.0.0.1:{port}"
     rows = []
     try:
         for k, rate in enumerate(rates):
+            if warm:
+                asyncio.run(run_rate(url, prompts, max(rates), max_tokens, seed=100 + k))
+            elif k and not ready:
+                proc.terminate()
+                proc.wait(30)
+                proc = start_server(command, port, ready)
             before = read_counters(url) if ready else {}
             row = asyncio.run(run_rate(url, prompts, rate, max_tokens, seed=k))
             if ready:
@@ -224,7 +237,8 @@ def bench_server(name, command, port, ready, prompts, rates, max_tokens) -> list
                     "radixserve_cached_prompt_tokens_total", 0
                 )
                 row["hit"] = cached / prompt if prompt else float("nan")
-                httpx.post(f"{url}/flush_cache", timeout=30)  # each rate starts cold
+                if not warm:
+                    httpx.post(f"{url}/flush_cache", timeout=30)
             rows.append({"server": name, "rate": rate, **row})
             print_row(rows[-1])
     finally:
@@ -312,6 +326,11 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="radixserve serve --compile")
     parser.add_argument("--compile-aot", action="store_true", help="radixserve serve --compile-aot")
     parser.add_argument("--long-prompt", action="store_true", help="only the mixed-chunk run")
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="every server starts each rate holding the workload's prefixes (default: cold)",
+    )
     parser.add_argument("--chunked-prefill-size", type=int, default=None, help="for the servers")
     args = parser.parse_args()
     groups, per_group, system, question, out = (
@@ -358,7 +377,14 @@ def main() -> None:
             continue
         port = free_port()
         results += bench_server(
-            name, [*base, *extra, "--port", str(port)], port, "ready", prompts, rates, out
+            name,
+            [*base, *extra, "--port", str(port)],
+            port,
+            "ready",
+            prompts,
+            rates,
+            out,
+            args.warm,
         )
     if args.install_llama_cpp:
         subprocess.run(
@@ -392,7 +418,7 @@ def main() -> None:
                 "4096",
             ]
             results += bench_server(
-                "llama-cpp-python", command, port, None, text_prompts, rates, out
+                "llama-cpp-python", command, port, None, text_prompts, rates, out, args.warm
             )
     if args.llama_server:
         binary = build_llama_server(Path.home() / ".cache" / "radixserve-bench")
@@ -416,7 +442,9 @@ def main() -> None:
             "--ctx-size",
             str(slots * per_slot),
         ]
-        results += bench_server("llama-server -np 8", command, port, None, prompts, rates, out)
+        results += bench_server(
+            "llama-server -np 8", command, port, None, prompts, rates, out, args.warm
+        )
     on = [r for r in results if r["server"] == "radixserve, cache on"]
     for other in ("radixserve, cache off", "llama-server -np 8"):
         rows = [r for r in results if r["server"] == other]

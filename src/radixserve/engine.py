@@ -260,6 +260,14 @@ class Engine:
         except Exception as exc:  # any compiler failure means: stay eager
             log.warning("torch.compile failed, decoding eagerly: %s", str(exc).splitlines()[0])
             return None
+        if self.device.type == "cpu":  # mixed batches' decode rows
+            self._set_threads(False)
+            try:
+                seconds += self.attention.compile_decode(
+                    self.kv.k[0], self.kv.v[0], self.model.config.num_attention_heads
+                )
+            except Exception as exc:
+                log.warning("compiling decode attention failed: %s", str(exc).splitlines()[0])
         log.info(
             "compiled the decode step in %.1f s (later starts reuse the on-disk cache)", seconds
         )

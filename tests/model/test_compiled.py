@@ -208,3 +208,41 @@ def test_compiled_cpu_attention_form_equals_the_matmul_form():
     torch.testing.assert_close(compiled, eager, rtol=1e-10, atol=1e-12)
     # The empty row attends to its own key alone.
     torch.testing.assert_close(eager[2], v_new[2].repeat_interleave(heads // kv_heads, 0))
+
+
+def test_mixed_batches_decode_rows_through_the_compiled_kernel():
+    """TorchAttention.compile_decode: decode rows of eager batches go through the compiled
+    kernel and give the eager numbers, at widths and row counts it was not warmed on; one row
+    stays eager."""
+    from radixserve.model.attention import AttentionMetadata, TorchAttention
+
+    gen = torch.Generator().manual_seed(7)
+    slots_total, kv_heads, heads, dim = 300, 2, 6, 16
+    k_pool = torch.randn(slots_total, kv_heads, dim, generator=gen, dtype=torch.float64)
+    v_pool = torch.randn(slots_total, kv_heads, dim, generator=gen, dtype=torch.float64)
+    eager, compiled = TorchAttention(), TorchAttention()
+    compiled.compile_decode(k_pool, v_pool, heads)
+    calls = []
+    kernel = compiled.compiled_rows
+    compiled.compiled_rows = lambda *a: calls.append(a[0].shape[0]) or kernel(*a)
+    for rows, width in ((3, 41), (9, 130), (1, 20)):
+        table = torch.randint(0, slots_total, (rows, width), generator=gen)
+        lengths = torch.randint(1, width + 1, (rows,), generator=gen)
+        meta = AttentionMetadata(
+            is_decode=True,
+            new_slots=table[:, 0],
+            sample_indices=torch.arange(rows),
+            starts=[],
+            new_lens=[],
+            prefix_lens=[],
+            context_slots=[],
+            decode_slots=table,
+            decode_mask=torch.arange(width)[None, :] < lengths[:, None],
+        )
+        q = torch.randn(rows, heads + 2 * kv_heads, dim, generator=gen, dtype=torch.float64)
+        q = q[:, :heads]  # a view, as the projection hands it over
+        with torch.inference_mode():
+            want = eager.forward(q, k_pool, v_pool, meta)
+            got = compiled.forward(q, k_pool, v_pool, meta)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert calls == [3, 9]
