@@ -12,8 +12,9 @@ with 8 parallel slots and continuous batching (`-np 8 -cb`) on the same GGUF and
 token ids; both sides count tokens the same way (`ignore_eos`, equal `max_tokens`).
 `--compile` starts the radixserve servers with `--compile`, `--compile-aot` with `--compile-aot`.
 Every rate starts cold on every server (radixserve flushes its cache, llama.cpp's servers are
-restarted); `--warm` instead precedes each rate by an unmeasured pass of the same prompts, so
-that every server holds the shared prefixes (llama-server in its slots) when it is measured.
+restarted); `--warm` instead precedes each rate by an unmeasured pass of the same system
+prompts with other questions, so that every server holds the shared prefixes (llama-server in
+its slots) and none of the measured questions.
 
     python bench/serve.py                     # rates 0.5, 1, 2 req/s, 32 requests each
     python bench/serve.py --quick             # one rate, 12 requests
@@ -138,6 +139,13 @@ def workload(groups: int, per_group: int, system: int, question: int, seed: int)
     return [prompts[i] for i in order]
 
 
+def new_questions(prompts: list, question: int, seed: int) -> list:
+    """The same prompts with their last `question` tokens drawn afresh: the same shared
+    prefixes, none of the same questions."""
+    rng = np.random.default_rng(seed)
+    return [p[:-question] + rng.integers(100, 40_000, question).tolist() for p in prompts]
+
+
 def read_counters(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     out = {}
@@ -210,22 +218,26 @@ async def run_rate(url: str, prompts, rate: float, max_tokens: int, seed: int) -
     }
 
 
-def bench_server(name, command, port, ready, prompts, rates, max_tokens, warm=False) -> list[dict]:
+def bench_server(
+    name, command, port, ready, prompts, rates, max_tokens, warm_prompts=None
+) -> list[dict]:
     """One row per rate. Every rate starts cold on every server: radixserve flushes its cache,
-    a server without that endpoint is restarted. With `warm`, nothing is flushed and each
-    rate is preceded by an unmeasured pass of the same prompts, so every server starts it
-    holding what that workload shares."""
+    a server without that endpoint is restarted. With `warm_prompts` (the same shared prefixes
+    with other questions), an unmeasured pass of them then precedes the rate, so that every
+    server starts it holding what the workload shares and none of its questions."""
     proc = start_server(command, port, ready)
     url = f"http://127.0.0.1:{port}"
     rows = []
     try:
         for k, rate in enumerate(rates):
-            if warm:
-                asyncio.run(run_rate(url, prompts, max(rates), max_tokens, seed=100 + k))
-            elif k and not ready:
+            if k and ready:
+                httpx.post(f"{url}/flush_cache", timeout=30)
+            elif k:
                 proc.terminate()
                 proc.wait(30)
                 proc = start_server(command, port, ready)
+            if warm_prompts is not None:
+                asyncio.run(run_rate(url, warm_prompts, max(rates), max_tokens, seed=100 + k))
             before = read_counters(url) if ready else {}
             row = asyncio.run(run_rate(url, prompts, rate, max_tokens, seed=k))
             if ready:
@@ -237,8 +249,6 @@ def bench_server(name, command, port, ready, prompts, rates, max_tokens, warm=Fa
                     "radixserve_cached_prompt_tokens_total", 0
                 )
                 row["hit"] = cached / prompt if prompt else float("nan")
-                if not warm:
-                    httpx.post(f"{url}/flush_cache", timeout=30)
             rows.append({"server": name, "rate": rate, **row})
             print_row(rows[-1])
     finally:
@@ -339,6 +349,7 @@ def main() -> None:
     rates = [1.0] if args.quick else [float(r) for r in args.rates.split(",")]
     threads_batch = args.threads_batch or args.threads
     prompts = workload(groups, per_group, system, question, seed=0)
+    warm_prompts = new_questions(prompts, question, seed=1) if args.warm else None
     unique = groups * system + len(prompts) * question
     total = sum(len(p) for p in prompts)
     print(
@@ -384,7 +395,7 @@ def main() -> None:
             prompts,
             rates,
             out,
-            args.warm,
+            warm_prompts,
         )
     if args.install_llama_cpp:
         subprocess.run(
@@ -401,6 +412,7 @@ def main() -> None:
 
             tokenizer = gguf_tokenizer(GGUFReader(str(default_model_path())))
             text_prompts = [tokenizer.decode(p) for p in prompts]
+            text_warm = warm_prompts and [tokenizer.decode(p) for p in warm_prompts]
             port = free_port()
             command = [
                 sys.executable,
@@ -418,7 +430,7 @@ def main() -> None:
                 "4096",
             ]
             results += bench_server(
-                "llama-cpp-python", command, port, None, text_prompts, rates, out, args.warm
+                "llama-cpp-python", command, port, None, text_prompts, rates, out, text_warm
             )
     if args.llama_server:
         binary = build_llama_server(Path.home() / ".cache" / "radixserve-bench")
@@ -443,7 +455,7 @@ def main() -> None:
             str(slots * per_slot),
         ]
         results += bench_server(
-            "llama-server -np 8", command, port, None, prompts, rates, out, args.warm
+            "llama-server -np 8", command, port, None, prompts, rates, out, warm_prompts
         )
     on = [r for r in results if r["server"] == "radixserve, cache on"]
     for other in ("radixserve, cache off", "llama-server -np 8"):
