@@ -92,8 +92,12 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(llama_dir, caplog):
     assert engine.compiled_decode is not None, caplog.text
     assert "compiled the decode step" in caplog.text
     calls = count_calls(engine)
+    kernel, mixed = engine.attention.compiled_rows, []
+    assert kernel is not None  # mixed steps' decode rows get the compiled attention too
+    engine.attention.compiled_rows = lambda q, *rest: mixed.append(len(q)) or kernel(q, *rest)
     assert staggered(engine) == eager
     assert calls["n"] >= 20  # decode steps went through the graph
+    assert mixed and min(mixed) >= 2  # and mixed steps through the compiled attention
     assert engine.compiled_decode is not None
 
 
