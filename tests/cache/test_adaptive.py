@@ -258,3 +258,46 @@ def test_its_base_expert_learns_what_frequency_pays_without_switching():
     never_hit, *hit = policy._base.tolerance
     assert all(t > never_hit for t in hit)
     assert rate > lru + 0.05
+
+
+def _epochs(policy: AdaptivePolicy, count: int, real: float, **shadows: float) -> None:
+    """Close `count` epochs in which the tree hit `real` and each shadow its given rate."""
+    refs = 1_000
+    for _ in range(count):
+        policy._refs, policy._real, policy._gd_refs = refs, round(real * refs), refs
+        policy._hits = {name: round(rate * refs) for name, rate in shadows.items()}
+        policy._decide()
+
+
+def test_an_lru_shadow_seen_optimistic_under_the_base_expert_is_lowered_after_a_switch():
+    # Regression (few-shot at 20% in the study): the LRU shadow stood 2 points above the tree
+    # under the base expert, so once the tree followed LFU, the same optimism read as an LRU
+    # lead and sent it back, though LFU was ahead.
+    policy = AdaptivePolicy(epoch=1_000)  # decisions every epoch, no transition
+    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    _epochs(policy, 6, real=0.30, lru=0.32, lfu=0.30, wgd=0.0)
+    policy.follow("lfu")
+    _epochs(policy, 16, real=0.31, lru=0.32, lfu=0.31, wgd=0.0)
+    assert policy.mode == "lfu"
+    _epochs(policy, 16, real=0.27, lru=0.32, lfu=0.27, wgd=0.0)
+    assert policy.mode == "lru", "a shortfall past the correction still sends it back"
+
+
+def test_a_base_expert_better_than_its_shadow_does_not_raise_lru_after_a_switch():
+    policy = AdaptivePolicy(epoch=1_000)
+    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    _epochs(policy, 6, real=0.34, lru=0.32, lfu=0.30, wgd=0.0)
+    policy.follow("lfu")
+    _epochs(policy, 16, real=0.316, lru=0.32, lfu=0.316, wgd=0.0)
+    assert policy.mode == "lfu", "the LRU shadow leads by 0.4 points, under the margin"
+
+
+def test_one_base_epoch_is_no_evidence_of_the_lru_shadows_optimism():
+    # Regression (popularity-drift at 0.5%): a single noisy base-mode epoch 3 points under the
+    # LRU shadow kept the tree on LFU long after LFU's counts went stale.
+    policy = AdaptivePolicy(epoch=1_000)
+    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    _epochs(policy, 1, real=0.27, lru=0.30, lfu=0.30, wgd=0.0)
+    policy.follow("lfu")
+    _epochs(policy, 4, real=0.29, lru=0.30, lfu=0.29, wgd=0.0)
+    assert policy.mode == "lru"

@@ -25,7 +25,8 @@ advance, and the regime changes over a day. So this policy runs all three and me
   is corrected by what the tree got while following wgd, and handicapped by 5 points until
   then. The tree leaves the base expert for the one with the largest mean lead over the last
   16 epochs if that lead is over `margin` and over twice its standard error; it goes back to
-  the base expert on a lead of the LRU shadow over `margin` alone. No lead is recorded until
+  the base expert on a lead of the LRU shadow over `margin` alone, the shadow lowered by the
+  optimism it surely showed while the tree followed the base expert. No lead is recorded until
   the tree has replaced its contents once since it filled or switched.
 
 The floor: while the tree follows another expert, its measured hit rate is compared every epoch
@@ -176,6 +177,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._hits = dict.fromkeys(EXPERTS, 0)
         self._rate: dict[str, float | None] = dict.fromkeys(EXPERTS)
         self._gd_bias: float | None = None
+        self._base_gaps: list[float] = []
         self._leads: dict[str, list[float]] = {name: [] for name in EXPERTS}
         self._base = _BaseExpert(self)
         self._base.bind(cache)
@@ -316,10 +318,26 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
             old = self._gd_bias
             self._gd_bias = gap if old is None else old + 0.5 * (gap - old)
         gd_correction = -_GD_HANDICAP if self._gd_bias is None else self._gd_bias
+        # The LRU shadow can be optimistic too: it evicts a block at a time where the tree
+        # evicts whole leaves. While the tree follows another expert, the LRU shadow is lowered
+        # by how far it surely stood above the tree under the base expert: the mean over the
+        # last window of base-mode epochs, less twice its standard error (one noisy epoch
+        # kept the tree on stale LFU through popularity drift). Never raised: that would send
+        # the tree back on the base expert's early, noisy gains.
+        gaps = self._base_gaps
+        if self.mode == "lru":
+            gaps.append(real - raw["lru"])
+            del gaps[:-_WINDOW_EPOCHS]
+        base_gap, base_error = _mean_and_error(gaps)
+        corrections = {
+            "wgd": gd_correction,
+            "lru": min(0.0, base_gap + 2.0 * base_error),
+            "lfu": 0.0,
+        }
         for name in EXPERTS:
             if name != self.mode:
                 leads = self._leads[name]
-                leads.append(raw[name] + (gd_correction if name == "wgd" else 0.0) - reference)
+                leads.append(raw[name] + corrections[name] - reference)
                 del leads[:-_WINDOW_EPOCHS]
         best, lead, noise = max(
             ((name, *_mean_and_error(self._leads[name])) for name in EXPERTS if name != self.mode),
