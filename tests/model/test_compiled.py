@@ -187,7 +187,9 @@ def test_graphs_compile_under_the_threads_they_will_run_with(llama_dir, monkeypa
         make_engine(llama_dir, compile=True, threads=1, threads_batch=2, max_running_requests=4)
     finally:
         torch.set_num_threads(before)
-    assert sorted(set(seen)) == [(1, 1), (2, 2)]
+    # (Decode attention's kernels warm up on larger batches, under threads_batch too.)
+    assert {threads for rows, threads in seen if rows == 1} == {1}
+    assert {threads for rows, threads in seen if rows > 1} == {2}
 
 
 def test_compiled_cpu_attention_form_equals_the_matmul_form():
