@@ -671,9 +671,8 @@ class Engine:
         decodes = len(entries) if is_decode else sum(e.is_decode for e in entries)
         extends = len(entries) - decodes  # decode entries of a mixed batch come last
         table = cascade = None
-        if (
-            decodes and getattr(self.attention, "compiled_cascade", None) is not None
-        ):  # CPU, compiled
+        # Only a compiled TorchAttention on the CPU has the cascade kernel.
+        if decodes and getattr(self.attention, "compiled_cascade", None) is not None:
             table = self._decode_table(entries[extends:])
             cascade = plan_cascade(table, np.asarray(prefix[extends:]) + 1)
         # Rows sharing a prefix attend to it once (cascade attention). A pure decode step gives
