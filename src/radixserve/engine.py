@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 # A pure decode step leaves its compiled graph for cascade attention (run eagerly) only when
 # its rows would re-read at least this many shared prefix slots a layer (see `_forward`).
 CASCADE_STEP_REPEATED = 8192
+# Eager cascade attention (no --compile) only past this many re-read slots a layer: on the
+# embedded model, 2 cores, 2,048 broke even (68.3 ms a step either way) and 10,240 won (98.0
+# against 161.8 ms); 512 lost (70.2 against 50.0).
+CASCADE_EAGER_REPEATED = 4096
 
 DEFAULT_KV_CACHE_TOKENS = 16_384
 
@@ -671,23 +675,29 @@ class Engine:
         decodes = len(entries) if is_decode else sum(e.is_decode for e in entries)
         extends = len(entries) - decodes  # decode entries of a mixed batch come last
         table = cascade = None
-        # Only a compiled TorchAttention on the CPU has the cascade kernel.
-        if decodes and getattr(self.attention, "compiled_cascade", None) is not None:
+        # On the CPU only: on CUDA the step is a graph, and the cascade is unmeasured there.
+        if decodes and dev.type == "cpu" and getattr(self.attention, "supports_cascade", False):
             table = self._decode_table(entries[extends:])
             cascade = plan_cascade(table, np.asarray(prefix[extends:]) + 1)
-        # Rows sharing a prefix attend to it once (cascade attention). A pure decode step gives
-        # up its compiled graph for that only when the rows would re-read enough shared slots:
-        # the eager step costs about 12 ms more on the embedded model on 2 cores, and re-reading
-        # 2,048 shared slots a layer costs less than that, 10,240 more (24 rows over 4 prompts
-        # of 512 tokens: 86 against 110 ms a step).
-        if is_decode and self.compiled_decode is not None:
-            if cascade is not None and cascade.repeated < CASCADE_STEP_REPEATED:
-                cascade = None
-            if cascade is None:
-                logits = self._compiled_forward(entries, ids, positions, new_slots)
-                if logits is not None:
-                    rows = logits if len(sampled) == len(entries) else logits[sampled]
-                    return self._sample(entries, rows, sampled)
+        # Rows sharing a prefix attend to it once (cascade attention) when that saves enough
+        # re-reading of the shared slots: a pure decode step gives up its compiled graph for
+        # it (about 12 ms more a step on the embedded model on 2 cores), and the eager form
+        # costs a few more ops a layer than attention per row. The compiled kernel in a step
+        # that is eager anyway costs nothing more.
+        compiled_step = is_decode and self.compiled_decode is not None
+        if compiled_step:
+            bar = CASCADE_STEP_REPEATED
+        elif getattr(self.attention, "compiled_cascade", None) is None:
+            bar = CASCADE_EAGER_REPEATED
+        else:
+            bar = 0
+        if cascade is not None and cascade.repeated < bar:
+            cascade = None
+        if compiled_step and cascade is None:
+            logits = self._compiled_forward(entries, ids, positions, new_slots)
+            if logits is not None:
+                rows = logits if len(sampled) == len(entries) else logits[sampled]
+                return self._sample(entries, rows, sampled)
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64).tolist()
         sample_rows = [starts[i] + lens[i] - 1 for i in sampled]
         meta = AttentionMetadata(

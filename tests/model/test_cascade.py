@@ -71,8 +71,9 @@ def test_no_plan_without_two_rows_sharing_enough():
     assert plan_cascade(table[:1], lengths[:1], min_prefix=1) is None
 
 
+@pytest.mark.parametrize("eager", [False, True])
 @pytest.mark.parametrize("which", [slice(None), slice(3, 5), slice(0, 3)])
-def test_cascade_equals_attention_over_each_whole_context(which):
+def test_cascade_equals_attention_over_each_whole_context(which, eager):
     k_pool, v_pool = _pools()
     table, lengths = _table(_contexts()[which])
     plan = plan_cascade(table, lengths, min_prefix=64)
@@ -80,7 +81,7 @@ def test_cascade_equals_attention_over_each_whole_context(which):
     q = torch.randn(len(lengths), HEADS, DIM, generator=gen, dtype=torch.float64)
     mask = torch.from_numpy(np.arange(table.shape[1])[None, :] < lengths[:, None])
     want = pooled_decode_attention(q, k_pool, v_pool, torch.from_numpy(table), mask)
-    got = cascade_attention(q, k_pool, v_pool, *plan.tensors())
+    got = cascade_attention(q, k_pool, v_pool, *plan.tensors(), eager=eager)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
@@ -132,3 +133,25 @@ def test_a_compiled_engine_with_cascade_gives_the_eager_greedy_tokens(llama_dir,
     assert run_arrivals(engine, arrivals, params) == eager
     assert calls and max(calls) == 4
     assert engine.attention.compiled_cascade is not None
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the engine plans cascades on the CPU only")
+def test_an_eager_engine_with_cascade_gives_the_per_row_greedy_tokens(llama_dir, monkeypatch):
+    import radixserve.engine as engine_module
+    from radixserve.model import attention
+
+    shared = [int(t) for t in np.random.default_rng(5).integers(3, 90, 80)]
+    arrivals = [(step, [*shared, 3 + step, 7, 11 + step]) for step in (0, 3, 4, 6)]
+    params = {"max_new_tokens": 12, "ignore_eos": True}
+    per_row = make_engine(llama_dir, dtype="float64")
+    per_row.attention.supports_cascade = False
+    want = run_arrivals(per_row, arrivals, params)
+    monkeypatch.setattr(engine_module, "CASCADE_EAGER_REPEATED", 64)
+    calls, kernel = [], attention.cascade_attention
+    monkeypatch.setattr(
+        attention,
+        "cascade_attention",
+        lambda q, *rest, **kw: calls.append(len(q)) or kernel(q, *rest, **kw),
+    )
+    assert run_arrivals(make_engine(llama_dir, dtype="float64"), arrivals, params) == want
+    assert calls and max(calls) == 4
