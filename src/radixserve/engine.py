@@ -31,12 +31,7 @@ from radixserve.cache.tiers import PrefetchCostModel, StorageIO, StorageTier, Ti
 from radixserve.config import EngineConfig
 from radixserve.errors import EngineError, InvalidArgumentError
 from radixserve.model.aot import AOTDecode
-from radixserve.model.attention import (
-    AttentionMetadata,
-    CascadePlan,
-    make_attention_backend,
-    plan_cascade,
-)
+from radixserve.model.attention import AttentionMetadata, make_attention_backend, plan_cascade
 from radixserve.model.compiled import CompiledDecode, warm_up_batch_sizes
 from radixserve.model.cuda_graph import MAX_WIDTH as GRAPH_MAX_WIDTH
 from radixserve.model.cuda_graph import CudaGraphDecode
@@ -674,25 +669,27 @@ class Engine:
         is_decode = batch.mode is ForwardMode.DECODE
         decodes = len(entries) if is_decode else sum(e.is_decode for e in entries)
         extends = len(entries) - decodes  # decode entries of a mixed batch come last
+        compiled_step = is_decode and self.compiled_decode is not None
         table = cascade = None
-        # On the CPU only: on CUDA the step is a graph, and the cascade is unmeasured there.
-        if decodes and dev.type == "cpu" and getattr(self.attention, "supports_cascade", False):
-            table = self._decode_table(entries[extends:])
-            cascade = plan_cascade(table, np.asarray(prefix[extends:]) + 1)
         # Rows sharing a prefix attend to it once (cascade attention) when that saves enough
         # re-reading of the shared slots: a pure decode step gives up its compiled graph for
         # it (about 12 ms more a step on the embedded model on 2 cores), and the eager form
         # costs a few more ops a layer than attention per row. The compiled kernel in a step
-        # that is eager anyway costs nothing more.
-        compiled_step = is_decode and self.compiled_decode is not None
-        if compiled_step:
-            bar = CASCADE_STEP_REPEATED
-        elif getattr(self.attention, "compiled_cascade", None) is None:
-            bar = CASCADE_EAGER_REPEATED
-        else:
-            bar = 0
-        if cascade is not None and cascade.repeated < bar:
-            cascade = None
+        # that is eager anyway costs nothing more. On the CPU only: on CUDA the step is a
+        # graph, and the cascade is unmeasured there.
+        if decodes > 1 and dev.type == "cpu" and getattr(self.attention, "supports_cascade", False):
+            if compiled_step:
+                bar = CASCADE_STEP_REPEATED
+            elif getattr(self.attention, "compiled_cascade", None) is None:
+                bar = CASCADE_EAGER_REPEATED
+            else:
+                bar = 0
+            # No plan re-reads more than every other row re-reading the longest prefix.
+            if (decodes - 1) * max(prefix[extends:]) >= bar:
+                table = self._decode_table(entries[extends:])
+                cascade = plan_cascade(table, np.asarray(prefix[extends:]) + 1)
+                if cascade is not None and cascade.repeated < bar:
+                    cascade = None
         if compiled_step and cascade is None:
             logits = self._compiled_forward(entries, ids, positions, new_slots)
             if logits is not None:
@@ -719,8 +716,7 @@ class Engine:
             mask = np.arange(table.shape[1])[None, :] <= np.asarray(prefix[extends:])[:, None]
             meta.decode_slots = torch.from_numpy(table).to(dev)
             meta.decode_mask = torch.from_numpy(mask).to(dev)
-            if cascade is not None:
-                meta.cascade = CascadePlan(*(t.to(dev) for t in cascade.tensors()))
+            meta.cascade = cascade  # planned on the CPU, where the step runs
         logits = self.model(
             torch.from_numpy(ids).to(dev),
             torch.from_numpy(positions).to(dev),

@@ -269,14 +269,21 @@ def _epochs(policy: AdaptivePolicy, count: int, real: float, **shadows: float) -
         policy._decide()
 
 
+def _switched_to_lfu(base_epochs: int, real: float, lru: float, lfu: float) -> AdaptivePolicy:
+    """A policy that decides every epoch (no transition), after `base_epochs` epochs under its
+    base expert with these rates, switched to LFU by hand."""
+    policy = AdaptivePolicy(epoch=1_000)
+    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    _epochs(policy, base_epochs, real=real, lru=lru, lfu=lfu, wgd=0.0)
+    policy.follow("lfu")
+    return policy
+
+
 def test_an_lru_shadow_seen_optimistic_under_the_base_expert_is_lowered_after_a_switch():
     # Regression (few-shot at 20% in the study): the LRU shadow stood 2 points above the tree
     # under the base expert, so once the tree followed LFU, the same optimism read as an LRU
     # lead and sent it back, though LFU was ahead.
-    policy = AdaptivePolicy(epoch=1_000)  # decisions every epoch, no transition
-    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
-    _epochs(policy, 6, real=0.30, lru=0.32, lfu=0.30, wgd=0.0)
-    policy.follow("lfu")
+    policy = _switched_to_lfu(6, real=0.30, lru=0.32, lfu=0.30)
     _epochs(policy, 16, real=0.31, lru=0.32, lfu=0.31, wgd=0.0)
     assert policy.mode == "lfu"
     _epochs(policy, 16, real=0.27, lru=0.32, lfu=0.27, wgd=0.0)
@@ -284,10 +291,7 @@ def test_an_lru_shadow_seen_optimistic_under_the_base_expert_is_lowered_after_a_
 
 
 def test_a_base_expert_better_than_its_shadow_does_not_raise_lru_after_a_switch():
-    policy = AdaptivePolicy(epoch=1_000)
-    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
-    _epochs(policy, 6, real=0.34, lru=0.32, lfu=0.30, wgd=0.0)
-    policy.follow("lfu")
+    policy = _switched_to_lfu(6, real=0.34, lru=0.32, lfu=0.30)
     _epochs(policy, 16, real=0.316, lru=0.32, lfu=0.316, wgd=0.0)
     assert policy.mode == "lfu", "the LRU shadow leads by 0.4 points, under the margin"
 
@@ -295,9 +299,6 @@ def test_a_base_expert_better_than_its_shadow_does_not_raise_lru_after_a_switch(
 def test_one_base_epoch_is_no_evidence_of_the_lru_shadows_optimism():
     # Regression (popularity-drift at 0.5%): a single noisy base-mode epoch 3 points under the
     # LRU shadow kept the tree on LFU long after LFU's counts went stale.
-    policy = AdaptivePolicy(epoch=1_000)
-    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
-    _epochs(policy, 1, real=0.27, lru=0.30, lfu=0.30, wgd=0.0)
-    policy.follow("lfu")
+    policy = _switched_to_lfu(1, real=0.27, lru=0.30, lfu=0.30)
     _epochs(policy, 4, real=0.29, lru=0.30, lfu=0.29, wgd=0.0)
     assert policy.mode == "lru"
