@@ -240,16 +240,12 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._base.on_reference(node, cached)
         # A request uses its whole path at one instant, and a tree evicts deepest first at
         # equal recency: the shadows get the path's pages deepest first.
-        names = self._names
         below = 0  # key bytes on the path under the node being looked at
         sampled_at: list[tuple[int, list[int]]] = []
-        walker = node
-        while walker.parent is not None:
-            record = names.get(walker) or names.record(walker)
-            if record[3]:
-                sampled_at.append((below, record[3]))
-            below += record[0]
-            walker = walker.parent
+        for length, _, _, sampled in self._names.path(node):
+            if sampled:
+                sampled_at.append((below, sampled))
+            below += length
         pages: list[int] = []
         real = 0
         hit_below = below - TOKEN_BYTES * cached  # nodes ending above this depth were cached

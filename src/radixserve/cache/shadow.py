@@ -61,19 +61,17 @@ class PrefixHasher:
         head = data[: self.page_bytes]
         first = zlib.crc32(head, crc) << 32 | zlib.adler32(head, adler)
         sampled = []
-        threshold, block = self.threshold, self.block_bytes
+        threshold, block, crc32 = self.threshold, self.block_bytes, zlib.crc32
         done = 0
         cut = block - into
         while cut <= n:
-            part = data[done:cut]
-            crc, adler = zlib.crc32(part, crc), zlib.adler32(part, adler)
-            if crc < threshold:
-                sampled.append(crc << 32 | adler)
+            crc = crc32(data[done:cut], crc)
+            if crc < threshold:  # the Adler-32 only where a name is kept
+                sampled.append(crc << 32 | zlib.adler32(data[:cut], adler))
             done, cut = cut, cut + block
         if done < n:
-            part = data[done:]
-            crc, adler = zlib.crc32(part, crc), zlib.adler32(part, adler)
-        return (crc, adler, (into + n) % block), first, sampled
+            crc = crc32(data[done:], crc)
+        return (crc, zlib.adler32(data, adler), (into + n) % block), first, sampled
 
 
 # What PrefixRecords keeps of a node: (edge bytes when recorded, the hash state at its end,
@@ -120,10 +118,17 @@ class PrefixRecords:
             start = end
         return record
 
-    def get(self, node: TreeNode) -> Record | None:
-        """`node`'s record if it has a valid one (a dict lookup, for walks)."""
-        record = self._records.get(node)
-        return record if record is not None and record[0] == len(node.key) else None
+    def path(self, node: TreeNode) -> list[Record]:
+        """The valid records of `node` and of its ancestors below the root, deepest first."""
+        records = self._records
+        out = []
+        while node.parent is not None:
+            record = records.get(node)
+            if record is None or record[0] != len(node.key):
+                record = self.record(node)
+            out.append(record)
+            node = node.parent
+        return out
 
     def identity(self, node: TreeNode) -> int:
         """A name for where `node` starts (its first page's), equal for a later node cached at
