@@ -21,6 +21,11 @@ its slots) and none of the measured questions.
     python bench/serve.py --long-prompt       # mixed chunks on and off, a long prompt arriving
     python bench/serve.py --servers on --llama-server --compile   # against llama-server -np 8
 
+`--rates inf` sends every request at once: the servers' throughput at saturation. At a finite
+rate no server can beat the arrivals (each row prints the bound: output tokens over the span
+of the arrivals); at 8 req/s the 32 requests' arrivals span 4.6 s, so the bound is about
+110 tok/s and a faster server gains only latency there.
+
 `--long-prompt` streams 8 answers of 120 tokens and sends a 2,048-token prompt one second in,
 against a server with mixed chunks on and one with them off, and reports the streams' time
 between tokens (p50, p99, max): how long a running stream stalls while a long prompt is
@@ -207,9 +212,13 @@ async def run_rate(url: str, prompts, rate: float, max_tokens: int, seed: int) -
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
     pct = lambda key, q: float(np.percentile([r[key] for r in results], q))  # noqa: E731
+    tokens = sum(r["tokens"] for r in results)
     return {
         "req_s": len(results) / wall,
-        "tok_s": sum(r["tokens"] for r in results) / wall,
+        "tok_s": tokens / wall,
+        # No server can finish before the last arrival: tokens over the arrivals' span bounds
+        # tok_s (infinite at --rates inf, where every request is sent at once).
+        "arrival_bound": tokens / float(gaps.sum()) if gaps.sum() > 0 else float("inf"),
         "ttft50": pct("ttft", 50),
         "ttft99": pct("ttft", 99),
         "tpot50": pct("tpot", 50),
@@ -303,7 +312,8 @@ def print_row(r: dict) -> None:
     print(
         f"  {r['server']:<22} {r['rate']:>5.2f} req/s offered: {r['req_s']:6.2f} req/s "
         f"{r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft50']:6.2f} p99 {r['ttft99']:6.2f} s  "
-        f"TPOT p50 {1e3 * r['tpot50']:6.1f} p99 {1e3 * r['tpot99']:6.1f} ms  hit {hit}",
+        f"TPOT p50 {1e3 * r['tpot50']:6.1f} p99 {1e3 * r['tpot99']:6.1f} ms  hit {hit}  "
+        f"(arrivals allow at most {r['arrival_bound']:.0f} tok/s)",
         flush=True,
     )
 
