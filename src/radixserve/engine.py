@@ -48,10 +48,11 @@ log = logging.getLogger(__name__)
 # A pure decode step leaves its compiled graph for cascade attention (run eagerly) only when
 # its rows would re-read at least this many shared prefix slots a layer (see `_forward`).
 CASCADE_STEP_REPEATED = 8192
-# Eager cascade attention (no --compile) only past this many re-read slots a layer: on the
-# embedded model, 2 cores, 2,048 broke even (68.3 ms a step either way) and 10,240 won (98.0
-# against 161.8 ms); 512 lost (70.2 against 50.0).
-CASCADE_EAGER_REPEATED = 4096
+# Eager cascade attention (no --compile) only past this many re-read slots a layer. On the
+# embedded model, 2 cores, decode steps over 512-token shared prompts, medians of 3 runs:
+# 512 re-read lost (55.6 against 48.1 ms a step), 2,048 won (50.6 against 68.1), 10,240 won
+# (82.4 against 148.4).
+CASCADE_EAGER_REPEATED = 2048
 
 DEFAULT_KV_CACHE_TOKENS = 16_384
 
