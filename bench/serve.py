@@ -213,12 +213,13 @@ async def run_rate(url: str, prompts, rate: float, max_tokens: int, seed: int) -
         wall = time.perf_counter() - start
     pct = lambda key, q: float(np.percentile([r[key] for r in results], q))  # noqa: E731
     tokens = sum(r["tokens"] for r in results)
+    span = float(gaps.sum())
     return {
         "req_s": len(results) / wall,
         "tok_s": tokens / wall,
         # No server can finish before the last arrival: tokens over the arrivals' span bounds
         # tok_s (infinite at --rates inf, where every request is sent at once).
-        "arrival_bound": tokens / float(gaps.sum()) if gaps.sum() > 0 else float("inf"),
+        "arrival_bound": tokens / span if span > 0 else float("inf"),
         "ttft50": pct("ttft", 50),
         "ttft99": pct("ttft", 99),
         "tpot50": pct("tpot", 50),
