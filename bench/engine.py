@@ -21,6 +21,10 @@
     prefilled in 256-token chunks; the streams' time per output token (p50, p99, max) and
     their throughput.
 
+(h) Prefill attention on CUDA: the part (a) workload prefilled (one output token each), radix
+    cache off then on, with one variable-length FlashAttention call a layer over the whole
+    batch against one SDPA call a request, alternating, best of `--repeats`.
+
 (g) The peer, llama.cpp (`--llama-cpp`): llama-cpp-python's `Llama` on the same GGUF with the
     same threads, each side in a fresh process: prefill of 512 tokens, batch-1 decode over 128
     tokens, and resident memory after the run. `--install-llama-cpp` first builds
@@ -135,10 +139,9 @@ def part_a(args, make_engine) -> None:
         f"    speed-up {speedup:.2f}x; ideal {ideal:.2f}x (prompt tokens {total} / unique "
         f"{unique}); ratio {speedup / ideal:.2f} (target >= 0.8)"
     )
-    same = all(
-        a.token_ids == b.token_ids for a, b in zip(on["results"], off["results"], strict=True)
-    )
-    print(f"    greedy outputs identical on and off: {same}")
+    pairs = list(zip(on["results"], off["results"], strict=True))
+    same = sum(a.token_ids == b.token_ids for a, b in pairs)
+    print(f"    greedy outputs identical on and off: {same} of {len(pairs)}")
     return on
 
 
@@ -314,6 +317,7 @@ def main() -> None:
     parser.add_argument("--compile-aot", action="store_true", help="EngineConfig.compile_aot")
     parser.add_argument("--groups", type=int, default=GROUPS)
     parser.add_argument("--hf-groups", type=int, default=GROUPS)
+    parser.add_argument("--repeats", type=int, default=3, help="part (h): runs of each side")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.peer_child:
@@ -338,6 +342,8 @@ def main() -> None:
         part_e(args, make_engine)
     if "f" in parts:
         part_f(args, make_engine)
+    if "h" in parts:
+        part_h(args, make_engine)
     if args.install_llama_cpp:
         subprocess.run(
             [
@@ -478,6 +484,40 @@ def part_f(args, make_engine) -> None:
             f"    mixed {'on ' if mixed else 'off'}: TPOT p50 {np.percentile(ms, 50):5.0f} ms, "
             f"p99 {np.percentile(ms, 99):5.0f} ms, max {ms.max():5.0f} ms; "
             f"streams {out / wall:6.1f} tok/s"
+        )
+
+
+def part_h(args, make_engine) -> None:
+    print(
+        f"(h) prefill attention, {args.groups}x{PER_GROUP} prompts of {SYSTEM}+{QUESTION} "
+        "tokens, 1 out: varlen (one call a layer) against the per-request loop"
+    )
+    params = {"max_new_tokens": 1, "ignore_eos": True}
+    for radix in (False, True):
+        best: dict[bool, dict] = {}
+        for _ in range(args.repeats):
+            for varlen in (True, False):
+                engine = make_engine(
+                    enable_radix_cache=radix, kv_cache_tokens=40_960, cuda_graph=False
+                )
+                engine.attention.varlen = varlen
+                engine.generate([[100, 200, 300]], params)  # warm-up
+                prompts = shared_prefix_prompts(engine.model.config.vocab_size, args.groups)
+                run = timed_run(engine, prompts, params)
+                if varlen and not engine.attention.varlen:
+                    print("    varlen prefill fell back to the loop (see the log)")
+                engine.check_invariants()
+                if varlen not in best or run["prefill"] < best[varlen]["prefill"]:
+                    best[varlen] = run
+                del engine
+        rates = {v: (r["prompt"] - r["cached"]) / r["prefill"] for v, r in best.items()}
+        pairs = list(zip(best[True]["results"], best[False]["results"], strict=True))
+        same = sum(a.token_ids == b.token_ids for a, b in pairs)
+        print(
+            f"    radix {'on ' if radix else 'off'}: varlen {best[True]['prefill']:6.3f} s "
+            f"({rates[True]:9.0f} tok/s), loop {best[False]['prefill']:6.3f} s "
+            f"({rates[False]:9.0f} tok/s), ratio {rates[True] / rates[False]:.2f}x; "
+            f"same first token in {same} of {len(pairs)}"
         )
 
 

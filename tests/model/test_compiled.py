@@ -93,11 +93,14 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(llama_dir, caplog):
     assert "compiled the decode step" in caplog.text
     calls = count_calls(engine)
     kernel, mixed = engine.attention.compiled_rows, []
-    assert kernel is not None  # mixed steps' decode rows get the compiled attention too
-    engine.attention.compiled_rows = lambda q, *rest: mixed.append(len(q)) or kernel(q, *rest)
+    on_cpu = DEVICE == "cpu"  # decode attention alone compiles on the CPU only
+    assert (kernel is not None) == on_cpu  # mixed steps' decode rows get it there
+    if on_cpu:
+        engine.attention.compiled_rows = lambda q, *rest: mixed.append(len(q)) or kernel(q, *rest)
     assert staggered(engine) == eager
     assert calls["n"] >= 20  # decode steps went through the graph
-    assert mixed and min(mixed) >= 2  # and mixed steps through the compiled attention
+    if on_cpu:
+        assert mixed and min(mixed) >= 2  # and mixed steps through the compiled attention
     assert engine.compiled_decode is not None
 
 
@@ -167,6 +170,7 @@ def test_compiled_decode_reaches_the_onednn_dense_copies(llama_dir, monkeypatch)
     assert (logits.float() - reference).abs().max() < 2e-2 * scale
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="thread counts size inductor's CPU loops only")
 def test_graphs_compile_under_the_threads_they_will_run_with(llama_dir, monkeypatch):
     """Inductor sizes its parallel loops to the thread count at compile time: the batch-1
     graph compiles under `threads`, larger ones under `threads_batch`."""
