@@ -21,6 +21,10 @@ its slots) and none of the measured questions.
     python bench/serve.py --long-prompt       # mixed chunks on and off, a long prompt arriving
     python bench/serve.py --servers on --llama-server --compile   # against llama-server -np 8
 
+`--repeats N` runs the servers N times in turn (radixserve, then the peers, then radixserve
+again), so that a shared machine's slow spells fall on both sides; it prints each repeat's
+ratio and their median.
+
 `--rates inf` sends every request at once: the servers' throughput at saturation. At a finite
 rate no server can beat the arrivals (each row prints the bound: output tokens over the span
 of the arrivals); at 8 req/s the 32 requests' arrivals span 4.6 s, so the bound is about
@@ -353,6 +357,12 @@ def main() -> None:
         help="every server starts each rate holding the workload's prefixes (default: cold)",
     )
     parser.add_argument("--chunked-prefill-size", type=int, default=None, help="for the servers")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every server this many times, alternating, and report the median ratio",
+    )
     args = parser.parse_args()
     groups, per_group, system, question, out = (
         (3, 4, 256, 32, 16) if args.quick else (4, 8, 512, 32, 16)
@@ -390,91 +400,106 @@ def main() -> None:
         bench_long_prompt(base)
         return
     results = []
-    wanted = set(args.servers.split(","))
-    for key, name, extra in (
-        ("on", "radixserve, cache on", []),
-        ("off", "radixserve, cache off", ["--disable-radix-cache"]),
-    ):
-        if key not in wanted:
-            continue
-        port = free_port()
-        results += bench_server(
-            name,
-            [*base, *extra, "--port", str(port)],
-            port,
-            "ready",
-            prompts,
-            rates,
-            out,
-            warm_prompts,
-        )
     if args.install_llama_cpp:
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "llama-cpp-python[server]"], check=True
         )
-    if args.llama_cpp or args.install_llama_cpp:
-        if importlib.util.find_spec("llama_cpp") is None:
-            print("  llama-cpp-python is not installed; pass --install-llama-cpp")
-        else:
-            # llama-cpp-python's server takes text prompts only: send the same prompts as text.
-            from gguf import GGUFReader
-
-            from radixserve.model.loader import gguf_tokenizer
-
-            tokenizer = gguf_tokenizer(GGUFReader(str(default_model_path())))
-            text_prompts = [tokenizer.decode(p) for p in prompts]
-            text_warm = warm_prompts and [tokenizer.decode(p) for p in warm_prompts]
+    for repeat in range(args.repeats):
+        if args.repeats > 1:
+            print(f"repeat {repeat + 1} of {args.repeats}")
+        first = len(results)
+        wanted = set(args.servers.split(","))
+        for key, name, extra in (
+            ("on", "radixserve, cache on", []),
+            ("off", "radixserve, cache off", ["--disable-radix-cache"]),
+        ):
+            if key not in wanted:
+                continue
             port = free_port()
+            results += bench_server(
+                name,
+                [*base, *extra, "--port", str(port)],
+                port,
+                "ready",
+                prompts,
+                rates,
+                out,
+                warm_prompts,
+            )
+        if args.llama_cpp or args.install_llama_cpp:
+            if importlib.util.find_spec("llama_cpp") is None:
+                print("  llama-cpp-python is not installed; pass --install-llama-cpp")
+            else:
+                # llama-cpp-python's server takes text prompts only: send the same prompts as text.
+                from gguf import GGUFReader
+
+                from radixserve.model.loader import gguf_tokenizer
+
+                tokenizer = gguf_tokenizer(GGUFReader(str(default_model_path())))
+                text_prompts = [tokenizer.decode(p) for p in prompts]
+                text_warm = warm_prompts and [tokenizer.decode(p) for p in warm_prompts]
+                port = free_port()
+                command = [
+                    sys.executable,
+                    "-m",
+                    "llama_cpp.server",
+                    "--model",
+                    str(default_model_path()),
+                    "--port",
+                    str(port),
+                    "--n_threads",
+                    str(args.threads),
+                    "--n_threads_batch",
+                    str(threads_batch),
+                    "--n_ctx",
+                    "4096",
+                ]
+                results += bench_server(
+                    "llama-cpp-python", command, port, None, text_prompts, rates, out, text_warm
+                )
+        if args.llama_server:
+            binary = build_llama_server(Path.home() / ".cache" / "radixserve-bench")
+            port = free_port()
+            slots, per_slot = 8, 2048
             command = [
-                sys.executable,
-                "-m",
-                "llama_cpp.server",
+                str(binary),
                 "--model",
                 str(default_model_path()),
+                "--host",
+                "127.0.0.1",
                 "--port",
                 str(port),
-                "--n_threads",
+                "--threads",
                 str(args.threads),
-                "--n_threads_batch",
+                "--threads-batch",
                 str(threads_batch),
-                "--n_ctx",
-                "4096",
+                "-np",
+                str(slots),
+                "-cb",
+                "--ctx-size",
+                str(slots * per_slot),
             ]
             results += bench_server(
-                "llama-cpp-python", command, port, None, text_prompts, rates, out, text_warm
+                "llama-server -np 8", command, port, None, prompts, rates, out, warm_prompts
             )
-    if args.llama_server:
-        binary = build_llama_server(Path.home() / ".cache" / "radixserve-bench")
-        port = free_port()
-        slots, per_slot = 8, 2048
-        command = [
-            str(binary),
-            "--model",
-            str(default_model_path()),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--threads",
-            str(args.threads),
-            "--threads-batch",
-            str(threads_batch),
-            "-np",
-            str(slots),
-            "-cb",
-            "--ctx-size",
-            str(slots * per_slot),
-        ]
-        results += bench_server(
-            "llama-server -np 8", command, port, None, prompts, rates, out, warm_prompts
-        )
+        for row in results[first:]:
+            row["repeat"] = repeat
+
     on = [r for r in results if r["server"] == "radixserve, cache on"]
     for other in ("radixserve, cache off", "llama-server -np 8"):
         rows = [r for r in results if r["server"] == other]
+        ratios: dict[float, list[float]] = {}
         for a, b in zip(on, rows, strict=True) if on and rows else ():
+            ratios.setdefault(a["rate"], []).append(a["tok_s"] / b["tok_s"])
             print(
                 f"  rate {a['rate']}: cache on against {other}: throughput "
                 f"{a['tok_s'] / b['tok_s']:.2f}x, TTFT p50 {a['ttft50'] / b['ttft50']:.2f}x"
+            )
+        for rate, values in ratios.items() if args.repeats > 1 else ():
+            print(
+                f"  rate {rate}: cache on against {other}, {len(values)} alternating repeats: "
+                f"throughput median {np.median(values):.2f}x "
+                f"(min {min(values):.2f}x, max {max(values):.2f}x)"
             )
 
 
