@@ -492,6 +492,14 @@ def part_h(args, make_engine) -> None:
         f"(h) prefill attention, {args.groups}x{PER_GROUP} prompts of {SYSTEM}+{QUESTION} "
         "tokens, 1 out: varlen (one call a layer) against the per-request loop"
     )
+    probe = make_engine(kv_cache_tokens=1024, cuda_graph=False)
+    if probe.device.type != "cuda" or probe.dtype not in (torch.bfloat16, torch.float16):
+        print(
+            f"    skipped: the varlen kernel runs on CUDA in half precision, not {probe.dtype} "
+            f"on {probe.device.type}"
+        )
+        return
+    del probe
     params = {"max_new_tokens": 1, "ignore_eos": True}
     for radix in (False, True):
         best: dict[bool, dict] = {}
