@@ -399,47 +399,35 @@ def main() -> None:
     if args.long_prompt:
         bench_long_prompt(base)
         return
-    results = []
     if args.install_llama_cpp:
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "llama-cpp-python[server]"], check=True
         )
-    for repeat in range(args.repeats):
-        if args.repeats > 1:
-            print(f"repeat {repeat + 1} of {args.repeats}")
-        first = len(results)
-        wanted = set(args.servers.split(","))
-        for key, name, extra in (
-            ("on", "radixserve, cache on", []),
-            ("off", "radixserve, cache off", ["--disable-radix-cache"]),
-        ):
-            if key not in wanted:
-                continue
-            port = free_port()
-            results += bench_server(
-                name,
-                [*base, *extra, "--port", str(port)],
-                port,
-                "ready",
-                prompts,
-                rates,
-                out,
-                warm_prompts,
-            )
-        if args.llama_cpp or args.install_llama_cpp:
-            if importlib.util.find_spec("llama_cpp") is None:
-                print("  llama-cpp-python is not installed; pass --install-llama-cpp")
-            else:
-                # llama-cpp-python's server takes text prompts only: send the same prompts as text.
-                from gguf import GGUFReader
+    # (name, command for a port, ready line, prompts, warm prompts) of every server to run.
+    servers = []
+    wanted = set(args.servers.split(","))
+    for key, name, extra in (
+        ("on", "radixserve, cache on", []),
+        ("off", "radixserve, cache off", ["--disable-radix-cache"]),
+    ):
+        if key in wanted:
+            command = lambda port, extra=extra: [*base, *extra, "--port", str(port)]  # noqa: E731
+            servers.append((name, command, "ready", prompts, warm_prompts))
+    if args.llama_cpp or args.install_llama_cpp:
+        if importlib.util.find_spec("llama_cpp") is None:
+            print("  llama-cpp-python is not installed; pass --install-llama-cpp")
+        else:
+            # llama-cpp-python's server takes text prompts only: send the same prompts as text.
+            from gguf import GGUFReader
 
-                from radixserve.model.loader import gguf_tokenizer
+            from radixserve.model.loader import gguf_tokenizer
 
-                tokenizer = gguf_tokenizer(GGUFReader(str(default_model_path())))
-                text_prompts = [tokenizer.decode(p) for p in prompts]
-                text_warm = warm_prompts and [tokenizer.decode(p) for p in warm_prompts]
-                port = free_port()
-                command = [
+            tokenizer = gguf_tokenizer(GGUFReader(str(default_model_path())))
+            text_prompts = [tokenizer.decode(p) for p in prompts]
+            text_warm = warm_prompts and [tokenizer.decode(p) for p in warm_prompts]
+
+            def llama_cpp_command(port: int) -> list[str]:
+                return [
                     sys.executable,
                     "-m",
                     "llama_cpp.server",
@@ -454,14 +442,14 @@ def main() -> None:
                     "--n_ctx",
                     "4096",
                 ]
-                results += bench_server(
-                    "llama-cpp-python", command, port, None, text_prompts, rates, out, text_warm
-                )
-        if args.llama_server:
-            binary = build_llama_server(Path.home() / ".cache" / "radixserve-bench")
-            port = free_port()
-            slots, per_slot = 8, 2048
-            command = [
+
+            servers.append(("llama-cpp-python", llama_cpp_command, None, text_prompts, text_warm))
+    if args.llama_server:
+        binary = build_llama_server(Path.home() / ".cache" / "radixserve-bench")
+        slots, per_slot = 8, 2048
+
+        def llama_server_command(port: int) -> list[str]:
+            return [
                 str(binary),
                 "--model",
                 str(default_model_path()),
@@ -479,11 +467,17 @@ def main() -> None:
                 "--ctx-size",
                 str(slots * per_slot),
             ]
+
+        servers.append(("llama-server -np 8", llama_server_command, None, prompts, warm_prompts))
+    results = []
+    for repeat in range(args.repeats):
+        if args.repeats > 1:
+            print(f"repeat {repeat + 1} of {args.repeats}")
+        for name, command, ready, server_prompts, server_warm in servers:
+            port = free_port()
             results += bench_server(
-                "llama-server -np 8", command, port, None, prompts, rates, out, warm_prompts
+                name, command(port), port, ready, server_prompts, rates, out, server_warm
             )
-        for row in results[first:]:
-            row["repeat"] = repeat
 
     on = [r for r in results if r["server"] == "radixserve, cache on"]
     for other in ("radixserve, cache off", "llama-server -np 8"):

@@ -75,8 +75,7 @@ class PackedExtend:
         cu[1, 1:] = np.cumsum(context)
         dev = meta.context_slots[0].device
         cu_t = torch.from_numpy(cu).to(dev)
-        slots = torch.cat(meta.context_slots) if len(lens) > 1 else meta.context_slots[0]
-        return cls(slots, cu_t[0], cu_t[1], max(lens), max(context))
+        return cls(torch.cat(meta.context_slots), cu_t[0], cu_t[1], max(lens), max(context))
 
 
 @dataclass
