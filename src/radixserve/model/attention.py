@@ -422,30 +422,32 @@ def fused_attention(q, keys, values, mask) -> torch.Tensor:
     (`bench/engine.py --parts c --compile`). Inductor splits these loops over the rows, so one
     row runs on one thread: batch 1 at 1,500 tokens measured 26 against 31-44 tok/s and keeps
     the matmul form. Eager, this form would materialize [B, W, heads, D]."""
+    probs = torch.softmax(_grouped_scores(q, keys, mask), dim=1)
+    out = (probs[..., None] * values.to(probs.dtype)[:, :, :, None, :]).sum(1)  # [B, Hkv, G, D]
+    return out.reshape(q.shape).to(q.dtype)
+
+
+def _grouped_scores(q, keys, mask) -> torch.Tensor:
+    """Scaled scores [B, W, Hkv, G] of queries q [B, heads, D] (G per kv head) against keys
+    [B, W, Hkv, D], -inf where mask [B, W] is unset; float32 or wider."""
     rows, heads, dim = q.shape
     kv_heads = keys.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
     qg = q.reshape(rows, 1, kv_heads, heads // kv_heads, dim).to(acc) * (dim**-0.5)
-    scores = (qg * keys.to(acc)[:, :, :, None, :]).sum(-1)  # [B, W, Hkv, G]
-    probs = torch.softmax(scores.masked_fill(~mask[:, :, None, None], float("-inf")), dim=1)
-    out = (probs[..., None] * values.to(acc)[:, :, :, None, :]).sum(1)  # [B, Hkv, G, D]
-    return out.reshape(rows, heads, dim).to(q.dtype)
+    scores = (qg * keys.to(acc)[:, :, :, None, :]).sum(-1)
+    return scores.masked_fill(~mask[:, :, None, None], float("-inf"))
 
 
 def _partial_attention(q, keys, values, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """`fused_attention`'s output before the cast, and each row and head's log-sum-exp of
     scores."""
-    rows, heads, dim = q.shape
-    kv_heads = keys.shape[2]
-    acc = torch.promote_types(q.dtype, torch.float32)
-    qg = q.reshape(rows, 1, kv_heads, heads // kv_heads, dim).to(acc) * (dim**-0.5)
-    scores = (qg * keys.to(acc)[:, :, :, None, :]).sum(-1)  # [B, W, Hkv, G]
-    scores = scores.masked_fill(~mask[:, :, None, None], float("-inf"))
+    scores = _grouped_scores(q, keys, mask)
     top = scores.amax(1, keepdim=True)
     weights = torch.exp(scores - top)
     total = weights.sum(1, keepdim=True)
-    out = (weights[..., None] * values.to(acc)[:, :, :, None, :]).sum(1) / total[:, 0, ..., None]
-    return out.reshape(rows, heads, dim), (top + torch.log(total))[:, 0].reshape(rows, heads)
+    out = (weights[..., None] * values.to(scores.dtype)[:, :, :, None, :]).sum(1)
+    out = out / total[:, 0, ..., None]
+    return out.reshape(q.shape), (top + torch.log(total))[:, 0].reshape(q.shape[:2])
 
 
 def _partial_flash(q, keys, values, mask) -> tuple[torch.Tensor, torch.Tensor]:
