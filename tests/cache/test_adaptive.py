@@ -105,13 +105,18 @@ def test_lru_and_lfu_shadows_match_plain_implementations(seed):
 
 
 def test_the_lfu_shadows_written_out_reference_equals_the_base_class_steps():
-    # LFUShadow writes `reference` out for speed; _Shadow.reference defines it.
+    # LFUShadow writes its references out for speed; _Shadow.reference defines them. Requests
+    # of up to 20 pages overflow the 12-page shadow.
     fast, slow = LFUShadow(12), LFUShadow(12)
     rng = random.Random(5)
-    for _ in range(2_000):
-        pages = rng.sample(range(40), rng.choice([1, 2, 3, 6]))
-        assert fast.reference(pages) == _Shadow.reference(slow, pages)
-    assert fast._count == slow._count
+    requests = [rng.sample(range(40), rng.choice([1, 2, 3, 6, 20])) for _ in range(2_000)]
+    for start in range(0, len(requests), 50):
+        batch = requests[start : start + 50]
+        if start % 100:
+            assert fast.reference_all(batch) == sum(_Shadow.reference(slow, r) for r in batch)
+        else:
+            assert [fast.reference(r) for r in batch] == [_Shadow.reference(slow, r) for r in batch]
+        assert fast._count == slow._count and fast._min == slow._min
     assert {n: list(b) for n, b in fast._buckets.items() if b} == {
         n: list(b) for n, b in slow._buckets.items() if b
     }
