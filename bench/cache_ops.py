@@ -19,7 +19,8 @@ evict in ms; per workload: total time and token hit rate; then the reference/rad
 With `--policies`, workload (b) is also run under each named eviction policy, each beside LRU
 in the same run: the per-call costs and their ratio to LRU's, and the total's ratio in each of
 `--rounds` rounds (default 3) that alternate LRU and the policy, with their median: on a
-shared machine one pair of runs can be 20% off either way.
+shared machine one pair of runs can be 20% off either way. The same ratios by the thread's
+CPU time follow, which time spent descheduled does not inflate.
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ class Timings:
     insert: list[float] = field(default_factory=list)
     evict: list[float] = field(default_factory=list)
     total: float = 0.0
+    cpu: float = 0.0  # the thread's CPU time over the same span: what other tenants do not move
     hit_tokens: int = 0
     tokens: int = 0
 
@@ -211,7 +213,7 @@ def run(work: Workload, naive: bool = False, as_list: bool = False, policy: str 
     keys = [k.tolist() for k in work.keys] if naive or as_list else work.keys
     out = Timings()
     clock = time.perf_counter
-    start = clock()
+    start, cpu_start = clock(), time.thread_time()
     for key in keys:
         t0 = clock()
         hit = tree.match_prefix(key)
@@ -233,6 +235,7 @@ def run(work: Workload, naive: bool = False, as_list: bool = False, policy: str 
         out.hit_tokens += hit.prefix_len
         out.tokens += len(key)
     out.total = clock() - start
+    out.cpu = time.thread_time() - cpu_start
     if not naive:
         tree.check_invariants()
     return out
@@ -260,17 +263,21 @@ def policy_rows(work: Workload, lru: Timings, policies: list[str], rounds: int) 
     for policy in policies:
         t = lru if policy == "lru" else run(work, policy=policy)
         print(row(f"radixserve, {policy}", t))
-        totals = [t.total / lru.total]
+        totals, cpus = [t.total / lru.total], [t.cpu / lru.cpu]
         if policy != "lru":
             for _ in range(rounds - 1):
                 base = run(work)
-                totals.append(run(work, policy=policy).total / base.total)
+                other = run(work, policy=policy)
+                totals.append(other.total / base.total)
+                cpus.append(other.cpu / base.cpu)
         each = ", ".join(f"{r:.2f}" for r in totals)
         print(
             f"    / lru: match {np.mean(t.match) / np.mean(lru.match):.2f}x, insert "
             f"{np.mean(t.insert) / np.mean(lru.insert):.2f}x, evict "
             f"{np.mean(t.evict) / np.mean(lru.evict):.2f}x per call, total "
-            f"{float(np.median(totals)):.2f}x (median of {len(totals)} rounds: {each})"
+            f"{float(np.median(totals)):.2f}x (median of {len(totals)} rounds: {each}); "
+            f"CPU time {float(np.median(cpus)):.2f}x "
+            f"({', '.join(f'{r:.2f}' for r in cpus)})"
         )
 
 
