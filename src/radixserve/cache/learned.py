@@ -145,7 +145,7 @@ class LearnedLRUPolicy:
             if ghost is not None:
                 cls, last, tokens = ghost
                 self._ghost_tokens -= tokens
-                self._observe(cls, now - last, min(tokens, len(node)))
+                self._observe(cls, now - last, min(tokens, len(node.value)))
         self._state[node] = [now, 0]
 
     def on_reference(self, node: TreeNode, cached: int) -> None:
@@ -181,13 +181,13 @@ class LearnedLRUPolicy:
         state = self._state.pop(node, None)
         last, cls = (state[0], state[1]) if state is not None else (node.last_access_time, 0)
         age = now - last
-        self.eviction_age = (
-            age
-            if self.eviction_age is None
-            else (1 - _AGE_WEIGHT) * self.eviction_age + _AGE_WEIGHT * age
+        mean = self.eviction_age
+        mean = self.eviction_age = (
+            age if mean is None else (1 - _AGE_WEIGHT) * mean + _AGE_WEIGHT * age
         )
-        if age > self._horizon() or not self._ghost_limit:
-            self._never[cls] += len(node)
+        tokens = len(node.value)
+        if age > self.horizon * mean or not self._ghost_limit:
+            self._never[cls] += tokens
             self._forget(node)
             return
         identity = self.identity(node)
@@ -195,8 +195,8 @@ class LearnedLRUPolicy:
         old = self._ghosts.pop(identity, None)
         if old is not None:
             self._ghost_tokens -= old[2]
-        self._ghosts[identity] = (cls, last, len(node))
-        self._ghost_tokens += len(node)
+        self._ghosts[identity] = (cls, last, tokens)
+        self._ghost_tokens += tokens
         while self._ghost_tokens > self._ghost_limit:
             _, (old_cls, _, tokens) = self._ghosts.popitem(last=False)
             self._ghost_tokens -= tokens
