@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from radixserve.cache.adaptive import AdaptivePolicy
 from radixserve.cache.hashing import namespace_seed
 from radixserve.cache.shadow import (
     GreedyDualShadow,
+    LearnedLRUShadow,
     LFUShadow,
     LRUShadow,
     PrefixHasher,
@@ -265,12 +267,16 @@ def test_its_base_expert_learns_what_frequency_pays_without_switching():
     assert rate > lru + 0.05
 
 
-def _epochs(policy: AdaptivePolicy, count: int, real: float, **shadows: float) -> None:
-    """Close `count` epochs in which the tree hit `real` and each shadow its given rate."""
+def _epochs(
+    policy: AdaptivePolicy, count: int, real: float, learned: float | None = None, **shadows: float
+) -> None:
+    """Close `count` epochs in which the tree hit `real` and each shadow its given rate (the
+    base expert's shadow, `learned`, the LRU shadow's unless given)."""
     refs = 1_000
     for _ in range(count):
         policy._refs, policy._real, policy._gd_refs = refs, round(real * refs), refs
         policy._hits = {name: round(rate * refs) for name, rate in shadows.items()}
+        policy._learned_hits = round((shadows["lru"] if learned is None else learned) * refs)
         policy._decide()
 
 
@@ -307,3 +313,69 @@ def test_one_base_epoch_is_no_evidence_of_the_lru_shadows_optimism():
     policy = _switched_to_lfu(1, real=0.27, lru=0.30, lfu=0.30)
     _epochs(policy, 4, real=0.29, lru=0.30, lfu=0.29, wgd=0.0)
     assert policy.mode == "lru"
+
+
+# -- the base expert's own floor --------------------------------------------------------------
+
+
+class _Tolerances:
+    def __init__(self, tolerance: list[float]) -> None:
+        self.tolerance = tolerance
+
+
+def test_the_learned_lru_shadow_with_equal_tolerances_is_the_lru_shadow():
+    rng = random.Random(3)
+    seq = [rng.choice(range(rng.choice([20, 60]))) for _ in range(3_000)]
+    for tolerated in (0.0, 7.0):
+        learned, lru = LearnedLRUShadow(25, _Tolerances([tolerated] * 4), 4), LRUShadow(25)
+        hits = [learned.reference([page], float(t)) for t, page in enumerate(seq)]
+        assert hits == [lru.reference([page]) for page in seq]
+        assert len(learned) == 25
+
+
+def test_the_learned_lru_shadow_keeps_a_class_with_a_longer_tolerance():
+    learned = LearnedLRUShadow(2, _Tolerances([0.0, 100.0]), 2)
+    learned.reference([1], 0.0)
+    assert learned.reference([1], 1.0) == 1  # page 1 is now in hit class 1
+    learned.reference([2], 2.0)
+    learned.reference([3], 3.0)  # evicts 2 (due at 2), not 1 (due at 101)
+    assert learned.reference([1], 4.0) == 1 and learned.reference([2], 5.0) == 0
+
+
+def test_the_tree_ranks_by_plain_recency_while_the_base_experts_shadow_trails_lrus():
+    policy = AdaptivePolicy(epoch=1_000)
+    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    _epochs(policy, 4, real=0.30, learned=0.298, lru=0.30, lfu=0.0, wgd=0.0)
+    assert not policy.plain, "a loss under the margin is not one"
+    _epochs(policy, 4, real=0.30, learned=0.28, lru=0.30, lfu=0.0, wgd=0.0)
+    assert policy.plain and policy.mode == "lru"
+    policy._base.tolerance = [0.0, 9.0, 9.0, 9.0]
+    node = SimpleNamespace(last_access_time=5.0, hit_count=3)
+    assert policy.key(node) == 5.0 and policy._base.key(node) == 14.0
+    _epochs(policy, 16, real=0.30, learned=0.33, lru=0.30, lfu=0.0, wgd=0.0)
+    assert not policy.plain, "a clear gain brings the learned tolerances back"
+    assert [plain for _, plain in policy.plain_switches] == [True, False]
+
+
+@pytest.mark.parametrize("floor", [True, False])
+def test_a_base_expert_that_learned_harm_is_floored_at_lru(floor):
+    # Tolerances that keep every node ever hit: on chat whose sessions end, the tree fills
+    # with dead sessions. The base expert's floor notices through its shadow and falls back
+    # to plain recency; without the floor the same policy loses to LRU.
+    trace = chat_sessions()
+    lru = simulate_cache(trace, "lru", kv_tokens=15_000).hit_rate
+    policy = AdaptivePolicy()
+    bind = policy.bind
+
+    def bind_with_harm(cache):
+        bind(cache)
+        policy._base.estimate = lambda: [0.0, 1e12, 1e12, 1e12]
+
+    policy.bind = bind_with_harm
+    if not floor:
+        policy._judge_base_expert = lambda gap: None
+    rate = simulate_cache(trace, policy, kv_tokens=15_000, check_invariants=True).hit_rate
+    if floor:
+        assert policy.plain_switches and rate >= lru - 0.001
+    else:
+        assert rate < lru - 0.002

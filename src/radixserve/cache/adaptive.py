@@ -34,10 +34,19 @@ with the LRU shadow on the same references, and a mean shortfall over `margin` s
 the base expert.
 What is lost in between is the lag: the transition, then two epochs.
 
+The base expert has a floor of its own: a fourth shadow runs `learned-lru` with the base
+expert's tolerances on the same sample. Both it and the LRU shadow treat blocks as
+independent objects, so their difference estimates the base expert's gain over LRU without
+the bias of either against the tree (in the lab study's 84 cells on seed 0 it tracked the
+tree's `learned-lru` minus LRU with a correlation of 0.93). On a mean shortfall over
+`margin` in the last 16 epochs, the tree ranks by plain recency while following the base
+expert (`plain`), and takes the learned tolerances back on a mean gain over `margin` and
+twice its standard error.
+
 State of its own: one record per tree node (its prefix's checksums, its first page's name
-and its sampled blocks' names, about 200 bytes); shadows of `sample_pages`, `sample_pages` and
-`sample_pages` / 4 names plus the
-wgd shadow's ghosts (2 x its size), about 3,000 names with the default 1,024, whatever the
+and its sampled blocks' names, about 200 bytes); shadows of `sample_pages` (LRU, LFU and
+`learned-lru`) and `sample_pages` / 4 names (wgd) plus the
+wgd shadow's ghosts (2 x its size), about 4,000 names with the default 1,024, whatever the
 pool size; wgd's own window and ghosts (see `WindowedGreedyDualPolicy`), kept only while
 the tree follows wgd; and the base expert's counts, node entries and ghosts (see
 `LearnedLRUPolicy`).
@@ -53,6 +62,7 @@ from radixserve.cache.hashing import TOKEN_BYTES
 from radixserve.cache.learned import LearnedLRUPolicy
 from radixserve.cache.shadow import (
     GreedyDualShadow,
+    LearnedLRUShadow,
     LFUShadow,
     LRUShadow,
     PrefixHasher,
@@ -75,6 +85,10 @@ def _lfu_key(node: TreeNode) -> tuple[int, float]:
     return (node.hit_count, node.last_access_time)
 
 
+def _recency_key(node: TreeNode) -> float:
+    return node.last_access_time
+
+
 def _mean_and_error(values: list[float]) -> tuple[float, float]:
     """The mean of `values` and its standard error (infinite below two values)."""
     n = len(values)
@@ -94,7 +108,7 @@ class _BaseExpert(LearnedLRUPolicy):
         self._owner = owner
 
     def tolerance_changed(self) -> None:
-        if self._owner.mode == "lru":
+        if self._owner.mode == "lru" and not self._owner.plain:
             super().tolerance_changed()
 
     def identity(self, node: TreeNode) -> int:
@@ -114,7 +128,9 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
     quarter of a shadow's worth of misses; given, decisions need no misses and there is no
     transition). `switches` lists (sampled references so far, expert) at each switch, and
     `decisions` (sampled references, followed expert, the tree's hit rate, each shadow's) at
-    each epoch.
+    each epoch. `plain` says whether the base expert's floor has the tree rank by plain
+    recency while it follows the base expert; `plain_switches` lists (sampled references,
+    plain) at each change.
     """
 
     name = "adaptive"
@@ -166,6 +182,14 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._gd_threshold = self._hasher.threshold // share << 32
         self._names = PrefixRecords(self._hasher)
         self._pending: list[list[int]] = []
+        self._pending_times: list[float] = []
+        # The base expert's own floor: a shadow of it, beside the LRU shadow on the same
+        # sample. While it trails that shadow, the tree ranks by plain recency (`plain`).
+        self._learned_hits = 0
+        self._learned_gaps: list[float] = []
+        self._filled = False
+        self.plain = False
+        self.plain_switches: list[tuple[int, bool]] = []
         self.epoch = self._epoch_arg or 1024
         self._turnover = size if self._epoch_arg is None else 0
         self.mode = "lru"
@@ -181,6 +205,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._leads: dict[str, list[float]] = {name: [] for name in EXPERTS}
         self._base = _BaseExpert(self)
         self._base.bind(cache)
+        self._learned = LearnedLRUShadow(size, self._base, self._base.classes)
         self._use_keys_of(self.mode)
 
     # -- keys ------------------------------------------------------------------------------
@@ -188,7 +213,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
     def _key_of(self, mode: str):
         """The key function of the expert `mode`."""
         if mode == "lru":
-            return self._base.key
+            return _recency_key if self.plain else self._base.key
         if mode == "lfu":
             return _lfu_key
         return super().key
@@ -259,6 +284,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._real += real
         pending = self._pending
         pending.append(pages)
+        self._pending_times.append(node.last_access_time)
         due = self._refs >= self.epoch and 4 * (self._refs - self._real) >= self._turnover
         if due or len(pending) >= _BATCH:
             self._feed_shadows()
@@ -272,7 +298,9 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         speed: a shadow's state stays in the CPU's caches through a batch.
         """
         pending, self._pending = self._pending, []
+        times, self._pending_times = self._pending_times, []
         hits = self._hits
+        self._learned_hits += self._learned.reference_all(pending, times)
         hits["lru"] += self._lru.reference_all(pending)
         hits["lfu"] += self._lfu.reference_all(pending)
         threshold = self._gd_threshold
@@ -297,6 +325,10 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         misses_before = self._misses_in_mode
         self._misses_in_mode += refs - round(real * refs)
         self.decisions.append((self.references, self.mode, real, raw))
+        learned, self._learned_hits = self._learned_hits / refs, 0
+        self._filled = self._filled or misses_before >= self._turnover
+        if self._filled:
+            self._judge_base_expert(learned - raw["lru"])
         # Until the tree has filled, or replaced its contents since a switch, it is in
         # transition: its hit rate says little about the expert it follows.
         if misses_before < self._turnover:
@@ -344,6 +376,30 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         confident = best == "lru" or lead > 2.0 * noise
         if len(self._leads[best]) >= 2 and lead > self.margin and confident:
             self.follow(best)
+
+    def _judge_base_expert(self, gap: float) -> None:
+        """The base expert's floor. Its shadow and the LRU shadow see the same sample and err
+        alike (pages, not nodes), so their difference is its gain over LRU without that
+        bias: the tree ranks by plain recency on a mean shortfall over `margin`, and by the
+        learned tolerances again on a mean gain over `margin` and twice its standard error."""
+        gaps = self._learned_gaps
+        gaps.append(gap)
+        del gaps[:-_WINDOW_EPOCHS]
+        if len(gaps) < 2:
+            return
+        mean, noise = _mean_and_error(gaps)
+        if not self.plain and mean < -self.margin:
+            self._set_plain(True)
+        elif self.plain and mean > self.margin and mean > 2.0 * noise:
+            self._set_plain(False)
+
+    def _set_plain(self, plain: bool) -> None:
+        self.plain = plain
+        self.plain_switches.append((self.references, plain))
+        if self.mode == "lru":
+            self._use_keys_of("lru")
+            if self.cache is not None:
+                self.cache.refresh_all_eviction_keys()
 
     def follow(self, expert: str) -> None:
         """Rank the tree's leaves by `expert` (wgd, lru or lfu) from now on.
