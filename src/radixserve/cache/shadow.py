@@ -274,7 +274,7 @@ class LFUShadow(_Shadow):
         del self._count[victim]
 
 
-class LearnedLRUShadow:
+class LearnedLRUShadow(_Shadow):
     """`learned-lru` over page names: a page falls due at its last use plus the tolerance of
     its hit class (`min(hits, classes - 1)`), read from `source.tolerance` at each eviction;
     the page that falls due first is evicted. With all tolerances equal it is `LRUShadow`.
@@ -290,40 +290,38 @@ class LearnedLRUShadow:
         self._top = classes - 1
         self._lists: list[OrderedDict[int, float]] = [OrderedDict() for _ in range(classes)]
         self._hits: dict[int, int] = {}
+        self._present = self._hits
+        self._now = 0.0
 
     def __len__(self) -> int:
         return len(self._hits)
 
+    def _hit(self, page: int) -> None:
+        count = self._hits[page]
+        del self._lists[min(count, self._top)][page]
+        self._hits[page] = count + 1
+        self._lists[min(count + 1, self._top)][page] = self._now
+
+    def _insert(self, page: int) -> None:
+        self._hits[page] = 0
+        self._lists[0][page] = self._now
+
     def _evict(self) -> None:
-        tolerance = self.source.tolerance
         due, victim_list = math.inf, None
-        for pages, tolerated in zip(self._lists, tolerance, strict=True):
+        for pages, tolerated in zip(self._lists, self.source.tolerance, strict=True):
             if pages:
                 when = next(iter(pages.values())) + tolerated
-                if when < due or victim_list is None:
+                if victim_list is None or when < due:
                     due, victim_list = when, pages
         victim, _ = victim_list.popitem(last=False)
         del self._hits[victim]
 
-    def reference(self, pages: list[int], now: float) -> int:
-        """One request uses `pages` at time `now`, as `_Shadow.reference`; returns the hits."""
-        hits_of, lists, top = self._hits, self._lists, self._top
-        hits = [page for page in pages if page in hits_of]
-        for page in hits:
-            count = hits_of[page]
-            del lists[count if count < top else top][page]
-            hits_of[page] = count = count + 1
-            lists[count if count < top else top][page] = now
-        if len(hits) < len(pages):
-            misses = [page for page in pages if page not in hits_of]
-            for _ in range(min(len(hits_of), len(hits_of) + len(misses) - self.capacity)):
-                self._evict()
-            for page in misses:
-                hits_of[page] = 0
-                lists[0][page] = now
-            while len(hits_of) > self.capacity:
-                self._evict()
-        return len(hits)
+    def reference(self, pages: list[int], now: float | None = None) -> int:
+        """One request uses `pages` at time `now` (default: the previous reference's), as
+        `_Shadow.reference`; returns the hits."""
+        if now is not None:
+            self._now = now
+        return super().reference(pages)
 
     def reference_all(self, requests: list[list[int]], times: list[float]) -> int:
         """`reference` for each of `requests` at its time in `times`; returns the hits."""
