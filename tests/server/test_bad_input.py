@@ -151,6 +151,37 @@ def test_api_key_is_required(tiny_model_dir):
         server.stop()
 
 
+def test_every_response_carries_one_request_id(tiny_model_dir):
+    """Plain, streamed, refused and invalid requests alike: exactly one x-request-id, a fresh
+    one per request."""
+    server = LiveServer(Engine(str(tiny_model_dir)), api_key="sekrit", max_body_bytes=64_000)
+    key = {"Authorization": "Bearer sekrit"}
+    url = server.url
+    body = {"prompt": "t5 t6", "max_tokens": 3, "temperature": 0}
+    try:
+        responses = [
+            httpx.post(f"{url}/v1/completions", json=body, headers=key),
+            httpx.post(f"{url}/v1/completions", json=body),  # 401
+            httpx.post(f"{url}/v1/completions", json={"prompt": "t1 " * 40_000}, headers=key),
+            httpx.post(f"{url}/v1/completions", json={"max_tokens": -1}, headers=key),  # 400
+            httpx.get(f"{url}/nope", headers=key),  # 404
+            httpx.get(f"{url}/health"),
+        ]
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=key
+        ) as streamed:
+            events = [line for line in streamed.iter_lines() if line.startswith("data:")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 2
+        responses.append(streamed)
+        assert [r.status_code for r in responses] == [200, 401, 413, 400, 404, 200, 200]
+        ids = [r.headers.get_list("x-request-id") for r in responses]
+        assert all(len(found) == 1 for found in ids), ids
+        assert len({found[0] for found in ids}) == len(ids)
+        server.idle_check()
+    finally:
+        server.stop()
+
+
 def test_a_client_that_disconnects_mid_stream_leaks_nothing(live):
     body = (
         b'{"prompt": "t5 t6 t7", "max_tokens": 400, "ignore_eos": true, "temperature": 0,'

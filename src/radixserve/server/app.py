@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.engine import Engine
@@ -160,26 +161,7 @@ def add_guards(
     """Request ids, the API key, the body size cap, 503 while `refuse()` gives a reason, and
     every error (validation, routing, APIError, a bug) as an OpenAI-style body."""
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        request.state.request_id = rid = new_request_id()
-        headers = {"x-request-id": rid}
-        authorized = request.headers.get("authorization") == f"Bearer {api_key}"
-        if api_key is not None and request.url.path not in _OPEN_PATHS and not authorized:
-            return error_response(
-                401, "missing or wrong API key", code="invalid_api_key", headers=headers
-            )
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return error_response(
-                413, f"request body exceeds {max_body_bytes} bytes", headers=headers
-            )
-        message = refuse() if request.method == "POST" else None
-        if message is not None:
-            return error_response(503, message, code="unavailable", headers=headers)
-        response = await call_next(request)
-        response.headers["x-request-id"] = rid
-        return response
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, refuse=refuse)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
@@ -214,3 +196,40 @@ def add_guards(
         log.exception("request %s failed", rid)
         message = f"internal error ({type(exc).__name__}); request id {rid}"
         return error_response(500, message, code="internal_error", headers={"x-request-id": rid})
+
+
+class _Guard:
+    """`add_guards`' checks as plain ASGI middleware, which passes a streamed body through
+    untouched (Starlette's `BaseHTTPMiddleware` relays every chunk between two tasks)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, refuse) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.refuse = refuse
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope.setdefault("state", {})["request_id"] = rid = new_request_id()
+        headers = Headers(scope=scope)
+        reply = None
+        authorized = headers.get("authorization") == f"Bearer {self.api_key}"
+        length = headers.get("content-length")
+        if self.api_key is not None and scope["path"] not in _OPEN_PATHS and not authorized:
+            reply = error_response(401, "missing or wrong API key", code="invalid_api_key")
+        elif length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            reply = error_response(413, f"request body exceeds {self.max_body_bytes} bytes")
+        elif scope["method"] == "POST" and (message := self.refuse()) is not None:
+            reply = error_response(503, message, code="unavailable")
+        tag = (b"x-request-id", rid.encode())
+
+        async def send_tagged(message) -> None:
+            if message["type"] == "http.response.start":
+                kept = [h for h in message.get("headers", ()) if h[0].lower() != tag[0]]
+                message = {**message, "headers": [*kept, tag]}
+            await send(message)
+
+        app = reply if reply is not None else self.app
+        await app(scope, receive, send_tagged)
