@@ -15,7 +15,9 @@ from radixserve.model.quant import (
     Int4Groups,
     Int4Linear,
     Int8GroupLinear,
+    Int8Groups,
     Int8Linear,
+    _int4pack,
     gguf_int4_groups,
     gguf_q8_0_groups,
     pack_dense_copies,
@@ -279,3 +281,61 @@ def test_the_embedded_model_loads_with_its_dense_copies_blocked():
     if not layers or not torch.backends.mkldnn.is_available():
         pytest.skip("auto chose float32 here, or no oneDNN: nothing to pack")
     assert all(m.dense_blocked is not None and m.dense_t is None for m in layers)
+
+
+def test_groups_dequantize_and_split_as_their_formulas_say_bit_for_bit():
+    """The loader's memory-lean forms (in place, one float copy) against the plain formulas."""
+    weight = RNG.standard_normal((40, 96)).astype(np.float32)
+    int4 = Int4Groups.quantize(weight)
+    scale = np.repeat(int4.scale, 32, axis=1)
+    zero = np.repeat(int4.zero, 32, axis=1)
+    assert np.array_equal(int4.dequantize(), (int4.q.astype(np.float32) - 8.0) * scale + zero)
+    q8 = RNG.integers(-128, 128, (40, 96)).astype(np.int8)
+    int8 = Int8Groups(q8, RNG.random((40, 3)).astype(np.float32))
+    expected = q8.astype(np.float32) * np.repeat(int8.scale, 32, axis=1)
+    assert np.array_equal(int8.dequantize(), expected)
+    halves = int8.halves().q
+    assert halves.dtype == np.uint8 and halves.shape == (40, 192)
+    assert np.array_equal(halves[:, :96].astype(np.int16) - 8, q8 >> 4)
+    assert np.array_equal(halves[:, 96:], q8.view(np.uint8) & 15)
+
+
+@pytest.mark.parametrize("rows", [64, 128, 4096])
+def test_int4_packing_a_slice_of_rows_at_a_time_gives_the_same_bytes(rows):
+    q = RNG.integers(0, 16, (336, 128)).astype(np.uint8)  # five blocks of 64 and 16 rows
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.from_numpy(q.astype(np.int32)), 2
+    )
+    assert torch.equal(_int4pack(q, rows=rows), whole)
+
+
+def test_the_state_dict_conversion_takes_its_sources():
+    """Each converted tensor leaves the caller's dict, so it is freed once copied."""
+    from radixserve.model.llama import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        from_hf_state_dict,
+        hf_state_dict,
+    )
+
+    config = LlamaConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": False,
+        }
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    tensors = {k: v.clone() for k, v in hf_state_dict(model).items()}
+    state = from_hf_state_dict(config, tensors)
+    assert not tensors, sorted(tensors)
+    for name, value in model.state_dict().items():
+        assert torch.equal(state[name], value), name

@@ -335,19 +335,21 @@ FUSED_PROJECTIONS = {
 def from_hf_state_dict(config: LlamaConfig, tensors: dict[str, torch.Tensor]) -> dict:
     """Hugging Face names and [out, in] weights -> this module's fused, input-major ones.
 
-    Raises `InvalidArgumentError` naming a missing tensor.
+    Takes each tensor it uses out of `tensors`, so that a source the conversion copies is
+    freed as soon as it is copied instead of living beside its copy until the end. Raises
+    `InvalidArgumentError` naming a missing tensor.
     """
 
     def take(name: str) -> torch.Tensor:
         if name not in tensors:
             raise InvalidArgumentError(f"the checkpoint lacks tensor {name}")
-        return tensors[name]
+        return tensors.pop(name)
 
     out = {
         "model.embed_tokens.weight": take("model.embed_tokens.weight"),
         "model.norm.weight": take("model.norm.weight"),
     }
-    head = tensors.get("lm_head.weight")
+    head = tensors.pop("lm_head.weight", None)
     if head is None or config.tie_word_embeddings:
         head = out["model.embed_tokens.weight"]
     out["lm_head.weight_t"] = head.t().contiguous()

@@ -211,6 +211,7 @@ def _build(weights: _Weights, choice: FormatChoice, device: torch.device):
     model.load_state_dict(
         {k: v.to(device=build_device, dtype=build_dtype) for k, v in state.items()}, assign=True
     )
+    del state  # the model holds the weights now: each is freed when its layer is replaced
     exact, types = _module_sources(config, weights)
     layer_formats = apply_weight_format(model, choice, exact, types)
     model.inv_freq = rope_inv_freq(config).to(device)

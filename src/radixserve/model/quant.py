@@ -52,9 +52,12 @@ class Int4Groups:
 
     def dequantize(self) -> np.ndarray:
         """The float32 weight [N, K] these groups stand for."""
-        scale = np.repeat(self.scale, INT4_GROUP, axis=1)
-        zero = np.repeat(self.zero, INT4_GROUP, axis=1)
-        return (self.q.astype(np.float32) - 8.0) * scale + zero
+        n, k = self.q.shape
+        w = self.q.astype(np.float32).reshape(n, k // INT4_GROUP, INT4_GROUP)
+        w -= 8.0  # in place, in the order of (q - 8) * scale + zero: one float32 copy
+        w *= self.scale[..., None]
+        w += self.zero[..., None]
+        return w.reshape(n, k)
 
     def rows(self, order: np.ndarray) -> Int4Groups:
         return Int4Groups(self.q[order], self.scale[order], self.zero[order], self.source)
@@ -90,7 +93,10 @@ class Int8Groups:
 
     def dequantize(self) -> np.ndarray:
         """The float32 weight [N, K] these groups stand for."""
-        return self.q.astype(np.float32) * np.repeat(self.scale, INT4_GROUP, axis=1)
+        n, k = self.q.shape
+        w = self.q.astype(np.float32).reshape(n, k // INT4_GROUP, INT4_GROUP)
+        w *= self.scale[..., None]
+        return w.reshape(n, k)
 
     def rows(self, order: np.ndarray) -> Int8Groups:
         return Int8Groups(self.q[order], self.scale[order], self.source)
@@ -107,9 +113,10 @@ class Int8Groups:
         """The same weight as int4 groups over 2K inputs, for the input fed twice: the high
         halves `q >> 4` (-8..7, scale 16d, zero 0) then the low halves `q & 15` (0..15, scale
         d, zero 8d). `x @ halves.T` on `[x, x]` equals `x @ w.T` exactly in real numbers."""
-        high = (self.q >> 4).astype(np.int16) + 8
-        low = (self.q & 0x0F).astype(np.int16)
-        q = np.concatenate([high, low], axis=1).astype(np.uint8)
+        n, k = self.q.shape
+        q = np.empty((n, 2 * k), dtype=np.uint8)
+        q[:, :k] = (self.q >> 4) + 8  # -8..7 + 8, within int8
+        q[:, k:] = self.q & 0x0F
         scale = np.concatenate([16.0 * self.scale, self.scale], axis=1)
         zero = np.concatenate([np.zeros_like(self.scale), 8.0 * self.scale], axis=1)
         return Int4Groups(q, scale, zero, source=self.source)
@@ -188,7 +195,8 @@ class _PackedLinear(nn.Module):
 
     def keep_dense(self, weight: np.ndarray, dtype: torch.dtype, from_rows: int | None) -> None:
         """Keep `weight` [out, in] densely for batches of `from_rows` rows or more."""
-        dense = None if from_rows is None else torch.from_numpy(weight.T.copy()).to(dtype)
+        # Cast, then transpose: the float32 weight is not copied again.
+        dense = None if from_rows is None else torch.from_numpy(weight).to(dtype).t().contiguous()
         self.register_buffer("dense_t", dense)
         self.dense_from_rows = from_rows or 0
 
@@ -230,9 +238,7 @@ class Int4Linear(_PackedLinear):
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = groups.q.shape
-        q = torch.from_numpy(groups.q.astype(np.int32))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES)
-        self.register_buffer("packed", packed)
+        self.register_buffer("packed", _int4pack(groups.q))
         scales_and_zeros = np.ascontiguousarray(np.stack([groups.scale.T, groups.zero.T], axis=-1))
         self.register_buffer("scales_and_zeros", torch.from_numpy(scales_and_zeros).to(dtype))
         # The group size as a tensor: the kernel takes it so, and inductor's own lowering of
@@ -250,6 +256,21 @@ class Int4Linear(_PackedLinear):
 
     def nbytes(self) -> int:
         return _nbytes(self.packed, self.scales_and_zeros, self.bias)
+
+
+def _int4pack(q: np.ndarray, rows: int = 4096) -> torch.Tensor:
+    """The CPU int4 kernel's packing of q [out, in] (values 0..15). Its rows pack in blocks
+    of 64, each on its own, so the int32 input the packer takes is made `rows` (a multiple of
+    64) at a time: the embedded model's LM head would otherwise need a 226 MB int32 copy at
+    load. `tests/model/test_quant.py` checks the bytes against one whole call."""
+    return torch.cat(
+        [
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                torch.from_numpy(q[start : start + rows].astype(np.int32)), _INT4_INNER_K_TILES
+            )
+            for start in range(0, q.shape[0], rows)
+        ]
+    )
 
 
 class Int8Linear(_PackedLinear):
@@ -439,11 +460,11 @@ def apply_weight_format(
     counts: dict[str, int] = {}
     fmt, dtype = choice.weight_format, choice.dtype
     if fmt in ("int4", "int8"):
-        for name, module in list(model.named_modules()):
-            if not hasattr(module, "weight_t"):
-                continue
+        # By name, not holding the modules: each float layer is freed once replaced.
+        names = [name for name, module in model.named_modules() if hasattr(module, "weight_t")]
+        for name in names:
             new, kind = _quantized(
-                module,
+                model.get_submodule(name),
                 fmt,
                 dtype,
                 exact.get(name),
@@ -464,8 +485,11 @@ def _quantized(
     module, fmt, dtype, exact: Int4Groups | Int8Groups | None, file_type: str, dense_from_rows
 ):
     bias = module.bias.detach() if module.bias is not None else None
-    weight = module.weight_t.detach().float().T.contiguous().numpy()
-    n, k = weight.shape
+    k, n = module.weight_t.shape
+
+    def weight() -> np.ndarray:  # the float weight [out, in], copied only where requantized
+        return module.weight_t.detach().float().T.contiguous().numpy()
+
     if isinstance(exact, Int8Groups):
         if int4_fits(n, 2 * k):
             layer = Int8GroupLinear(exact, bias, dtype, dense_from_rows)
@@ -474,13 +498,13 @@ def _quantized(
     if fmt == "int4" and file_type == "Q8_0":
         fmt = "int8"  # 8-bit numbers are not squeezed into 4 bits
     if fmt == "int8":
-        layer = Int8Linear(weight, bias, dtype, dense_from_rows)
+        layer = Int8Linear(weight(), bias, dtype, dense_from_rows)
         return layer, f"int8 (per channel, from {file_type})"
     if not int4_fits(n, k):
         return module.to(dtype), "bfloat16 (shape unfit for int4)"
     if exact is not None:
         return Int4Linear(exact, bias, dtype, dense_from_rows), f"int4 (exact from {exact.source})"
-    groups = Int4Groups.quantize(weight)
+    groups = Int4Groups.quantize(weight())
     return Int4Linear(groups, bias, dtype, dense_from_rows), f"int4 (from {file_type})"
 
 
