@@ -219,7 +219,8 @@ def _build(weights: _Weights, choice: FormatChoice, device: torch.device):
 
 
 def _module_sources(config: LlamaConfig, weights: _Weights):
-    """The file's int4 groups and storage types per linear module (fused ones included)."""
+    """The file's int4 groups and storage types per linear module (fused ones included).
+    Takes the groups out of `weights.exact`: a fused module's parts are freed once joined."""
     untied = not config.tie_word_embeddings and "lm_head.weight" in weights.file_types
     parts = {"lm_head": ["lm_head.weight" if untied else "model.embed_tokens.weight"]}
     for i in range(config.num_hidden_layers):
@@ -234,9 +235,9 @@ def _module_sources(config: LlamaConfig, weights: _Weights):
     for module, names in parts.items():
         kinds = {weights.file_types.get(n, "float") for n in names}
         types[module] = kinds.pop() if len(kinds) == 1 else "mixed"
-        groups = [weights.exact.get(n) for n in names]
+        groups = [weights.exact.pop(n, None) for n in names]
         if len({type(g) for g in groups}) == 1 and groups[0] is not None:
-            exact[module] = type(groups[0]).cat(groups)
+            exact[module] = groups[0] if len(groups) == 1 else type(groups[0]).cat(groups)
     return exact, types
 
 
