@@ -339,3 +339,22 @@ def test_the_state_dict_conversion_takes_its_sources():
     assert not tensors, sorted(tensors)
     for name, value in model.state_dict().items():
         assert torch.equal(state[name], value), name
+
+
+def test_the_dense_copy_is_cast_a_slice_of_rows_at_a_time_to_the_same_bits():
+    """Layers taller than the loader's slice: the dense copy equals the whole weight cast."""
+    weight = RNG.standard_normal((4160, 64)).astype(np.float32)
+    groups = Int4Groups.quantize(weight)
+    assert np.array_equal(groups.dequantize(4096, None), groups.dequantize()[4096:])
+    int8_groups = Int8Groups(
+        RNG.integers(-128, 128, (4160, 64)).astype(np.int8), RNG.random((4160, 2), np.float32)
+    )
+    layers = [
+        (Int4Linear(groups, None, torch.bfloat16, dense_from_rows=8), groups.dequantize()),
+        (Int8Linear(weight, None, torch.bfloat16, dense_from_rows=8), None),
+        (Int8GroupLinear(int8_groups, None, torch.bfloat16, 8), int8_groups.dequantize()),
+    ]
+    for layer, full in layers:
+        full = layer.dequantize() if full is None else full
+        expected = torch.from_numpy(full).to(torch.bfloat16).t()
+        assert layer.dense_t.shape == (64, 4160) and torch.equal(layer.dense_t, expected)

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")
 INT4_GROUP = 32
+_LOAD_ROWS = 4096  # rows converted at a time at load; a multiple of the int4 packer's 64
 _INT4_INNER_K_TILES = 2
 
 
@@ -50,13 +51,14 @@ class Int4Groups:
     zero: np.ndarray  # float32 [N, K // 32]
     source: str = "requantized"
 
-    def dequantize(self) -> np.ndarray:
-        """The float32 weight [N, K] these groups stand for."""
-        n, k = self.q.shape
-        w = self.q.astype(np.float32).reshape(n, k // INT4_GROUP, INT4_GROUP)
+    def dequantize(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """The float32 weight [N, K] these groups stand for (rows start:stop of it)."""
+        q = self.q[start:stop]
+        n, k = q.shape
+        w = q.astype(np.float32).reshape(n, k // INT4_GROUP, INT4_GROUP)
         w -= 8.0  # in place, in the order of (q - 8) * scale + zero: one float32 copy
-        w *= self.scale[..., None]
-        w += self.zero[..., None]
+        w *= self.scale[start:stop, :, None]
+        w += self.zero[start:stop, :, None]
         return w.reshape(n, k)
 
     def rows(self, order: np.ndarray) -> Int4Groups:
@@ -91,11 +93,12 @@ class Int8Groups:
     scale: np.ndarray  # float32 [N, K // 32]
     source: str = "Q8_0"
 
-    def dequantize(self) -> np.ndarray:
-        """The float32 weight [N, K] these groups stand for."""
-        n, k = self.q.shape
-        w = self.q.astype(np.float32).reshape(n, k // INT4_GROUP, INT4_GROUP)
-        w *= self.scale[..., None]
+    def dequantize(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """The float32 weight [N, K] these groups stand for (rows start:stop of it)."""
+        q = self.q[start:stop]
+        n, k = q.shape
+        w = q.astype(np.float32).reshape(n, k // INT4_GROUP, INT4_GROUP)
+        w *= self.scale[start:stop, :, None]
         return w.reshape(n, k)
 
     def rows(self, order: np.ndarray) -> Int8Groups:
@@ -193,10 +196,17 @@ class _PackedLinear(nn.Module):
     dense_blocked: torch.Tensor | None = None
     dense_from_rows: int
 
-    def keep_dense(self, weight: np.ndarray, dtype: torch.dtype, from_rows: int | None) -> None:
-        """Keep `weight` [out, in] densely for batches of `from_rows` rows or more."""
-        # Cast, then transpose: the float32 weight is not copied again.
-        dense = None if from_rows is None else torch.from_numpy(weight).to(dtype).t().contiguous()
+    def keep_dense(self, dequantize, dtype: torch.dtype, from_rows: int | None) -> None:
+        """Keep the weight [out, in] that `dequantize(start, stop)` gives, rows start:stop in
+        float32, densely for batches of `from_rows` rows or more. It is cast a slice of rows
+        at a time: the whole float32 weight never exists at once (the embedded model's LM head
+        would be 113 MB of it at load)."""
+        dense = None
+        if from_rows is not None:
+            dense = torch.empty(self.in_features, self.out_features, dtype=dtype)
+            for start in range(0, self.out_features, _LOAD_ROWS):
+                rows = torch.from_numpy(dequantize(start, start + _LOAD_ROWS))
+                dense[:, start : start + _LOAD_ROWS] = rows.to(dtype).t()
         self.register_buffer("dense_t", dense)
         self.dense_from_rows = from_rows or 0
 
@@ -246,8 +256,7 @@ class Int4Linear(_PackedLinear):
         # never load (torch 2.13).
         self.register_buffer("group_size", torch.tensor(INT4_GROUP), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
-        dense = groups.dequantize() if dense_from_rows is not None else None
-        self.keep_dense(dense, dtype, dense_from_rows)
+        self.keep_dense(groups.dequantize, dtype, dense_from_rows)
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.int4mm_packed_weight_cpu(
@@ -258,7 +267,7 @@ class Int4Linear(_PackedLinear):
         return _nbytes(self.packed, self.scales_and_zeros, self.bias)
 
 
-def _int4pack(q: np.ndarray, rows: int = 4096) -> torch.Tensor:
+def _int4pack(q: np.ndarray, rows: int = _LOAD_ROWS) -> torch.Tensor:
     """The CPU int4 kernel's packing of q [out, in] (values 0..15). Its rows pack in blocks
     of 64, each on its own, so the int32 input the packer takes is made `rows` (a multiple of
     64) at a time: the embedded model's LM head would otherwise need a 226 MB int32 copy at
@@ -292,14 +301,15 @@ class Int8Linear(_PackedLinear):
         self.register_buffer("weight", torch.from_numpy(q))
         self.register_buffer("scales", torch.from_numpy(scale).to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
-        dense = self.dequantize() if dense_from_rows is not None else None
-        self.keep_dense(dense, dtype, dense_from_rows)
+        self.keep_dense(self.dequantize, dtype, dense_from_rows)
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.weight, self.scales)
 
-    def dequantize(self) -> np.ndarray:
-        return self.weight.numpy().astype(np.float32) * self.scales.float().numpy()[:, None]
+    def dequantize(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """The float32 weight [out, in] (rows start:stop of it)."""
+        q = self.weight.numpy()[start:stop].astype(np.float32)
+        return q * self.scales.float().numpy()[start:stop, None]
 
     def nbytes(self) -> int:
         return _nbytes(self.weight, self.scales, self.bias)
@@ -320,8 +330,7 @@ class Int8GroupLinear(Int4Linear):
     ) -> None:
         super().__init__(groups.halves(), bias, dtype)
         self.in_features = groups.q.shape[1]
-        dense = groups.dequantize() if dense_from_rows is not None else None
-        self.keep_dense(dense, dtype, dense_from_rows)
+        self.keep_dense(groups.dequantize, dtype, dense_from_rows)
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().packed_forward(torch.cat([x, x], dim=-1))
