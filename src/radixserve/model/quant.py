@@ -26,6 +26,7 @@ import itertools
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -196,7 +197,12 @@ class _PackedLinear(nn.Module):
     dense_blocked: torch.Tensor | None = None
     dense_from_rows: int
 
-    def keep_dense(self, dequantize, dtype: torch.dtype, from_rows: int | None) -> None:
+    def keep_dense(
+        self,
+        dequantize: Callable[[int, int], np.ndarray],
+        dtype: torch.dtype,
+        from_rows: int | None,
+    ) -> None:
         """Keep the weight [out, in] that `dequantize(start, stop)` gives, rows start:stop in
         float32, densely for batches of `from_rows` rows or more. It is cast a slice of rows
         at a time: the whole float32 weight never exists at once (the embedded model's LM head
