@@ -333,6 +333,50 @@ def test_the_learned_lru_shadow_with_equal_tolerances_is_the_lru_shadow():
         assert len(learned) == 25
 
 
+def _plain_lru_request(order: list[int], pages: list[int], capacity: int) -> int:
+    """A request on a list ordered oldest first: hits renewed, room made, misses admitted,
+    then the hits renewed again, since the new pages are deeper on the request's path."""
+    hits = [page for page in pages if page in order]
+    misses = len(pages) - len(hits)
+    for page in hits:
+        order.remove(page)
+        order.append(page)
+    if misses:
+        del order[: max(0, min(len(order), len(order) + misses - capacity))]
+        order.extend([page for page in pages if page not in order])  # hits evicted, too
+        del order[: max(0, len(order) - capacity)]
+        for page in hits:
+            if page in order:
+                order.remove(page)
+                order.append(page)
+    return len(hits)
+
+
+def test_the_written_out_shadows_equal_their_plain_steps():
+    # LRU and learned-lru write their references out for speed. Requests of up to 20 pages
+    # overflow the 12-page shadows; the tolerances change between batches, as the base
+    # expert's do.
+    rng = random.Random(7)
+    requests = [rng.sample(range(40), rng.choice([1, 2, 3, 6, 20])) for _ in range(2_000)]
+    tolerances = _Tolerances([0.0, 5.0, 2.0])
+    lru, order = LRUShadow(12), []
+    fast, slow = LearnedLRUShadow(12, tolerances, 3), LearnedLRUShadow(12, tolerances, 3)
+    for start in range(0, len(requests), 50):
+        batch, times = requests[start : start + 50], [float(start + i) for i in range(50)]
+        tolerances.tolerance = [0.0, rng.choice([0.0, 5.0, 50.0]), rng.choice([2.0, 20.0])]
+        assert lru.reference_all(batch) == sum(_plain_lru_request(order, r, 12) for r in batch)
+        assert list(lru._pages) == order
+        want = 0
+        for pages, now in zip(batch, times, strict=True):
+            slow._now = now
+            want += _Shadow.reference(slow, pages)
+        assert fast.reference_all(batch, times) == want
+    assert fast._hits == slow._hits
+    assert [list(pages.items()) for pages in fast._lists] == [
+        list(pages.items()) for pages in slow._lists
+    ]
+
+
 def test_the_learned_lru_shadow_keeps_a_class_with_a_longer_tolerance():
     learned = LearnedLRUShadow(2, _Tolerances([0.0, 100.0]), 2)
     learned.reference([1], 0.0)

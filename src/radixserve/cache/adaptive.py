@@ -265,19 +265,17 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._base.on_reference(node, cached)
         # A request uses its whole path at one instant, and a tree evicts deepest first at
         # equal recency: the shadows get the path's pages deepest first.
-        below = 0  # key bytes on the path under the node being looked at
-        sampled_at: list[tuple[int, list[int]]] = []
-        for length, _, _, sampled in self._names.path(node):
-            if sampled:
-                sampled_at.append((below, sampled))
-            below += length
         pages: list[int] = []
         real = 0
-        hit_below = below - TOKEN_BYTES * cached  # nodes ending above this depth were cached
-        for under, sampled in sampled_at:
-            pages.extend(reversed(sampled))
-            if under >= hit_below:
-                real += len(sampled)
+        cached_bytes = TOKEN_BYTES * cached
+        path = self._names.path(node)
+        end = sum([record[0] for record in path])  # where the node looked at ends, in key bytes
+        for length, _, _, sampled in path:
+            if sampled:
+                pages.extend(reversed(sampled))
+                if end <= cached_bytes:
+                    real += len(sampled)
+            end -= length
         if not pages:
             return
         self._refs += len(pages)

@@ -190,24 +190,34 @@ class LRUShadow(_Shadow):
         return len(self._pages)
 
     def reference(self, pages: list[int]) -> int:
+        return self.reference_all([pages])
+
+    def reference_all(self, requests: list[list[int]]) -> int:
         # The base class's steps, written out on one OrderedDict without a call per page.
-        cached = self._pages
-        hits = [page for page in pages if page in cached]
-        misses = len(pages) - len(hits)
-        if misses:
-            for page in hits:  # renewed before room is made, as a locked path is
-                cached.move_to_end(page)
-            for _ in range(min(len(cached), len(cached) + misses - self.capacity)):
-                cached.popitem(last=False)
-            for page in pages:
-                if page not in cached:
-                    cached[page] = None
-            while len(cached) > self.capacity:
-                cached.popitem(last=False)
-        for page in hits:  # the hits end newest: the new pages are deeper
-            if page in cached:  # not evicted by a request larger than the shadow
-                cached.move_to_end(page)
-        return len(hits)
+        cached, capacity = self._pages, self.capacity
+        renew, evict = cached.move_to_end, cached.popitem
+        total = 0
+        for pages in requests:
+            hits = [page for page in pages if page in cached]
+            total += len(hits)
+            misses = len(pages) - len(hits)
+            if misses:
+                for page in hits:  # renewed before room is made, as a locked path is
+                    renew(page)
+                for _ in range(min(len(cached), len(cached) + misses - capacity)):
+                    evict(last=False)
+                for page in pages:
+                    if page not in cached:
+                        cached[page] = None
+                while len(cached) > capacity:
+                    evict(last=False)
+                for page in hits:  # the hits end newest: the new pages are deeper
+                    if page in cached:  # not evicted by a request larger than the shadow
+                        renew(page)
+            else:
+                for page in hits:
+                    renew(page)
+        return total
 
 
 class LFUShadow(_Shadow):
@@ -227,25 +237,52 @@ class LFUShadow(_Shadow):
         return len(self._count)
 
     def reference(self, pages: list[int]) -> int:
-        # The base class's steps, with the hits written out on the buckets.
-        count, buckets = self._count, self._buckets
-        hits = [page for page in pages if page in count]
-        for page in hits:
-            n = count[page]
-            bucket = buckets[n]
-            del bucket[page]
-            if not bucket:
-                del buckets[n]
-                if self._min == n:
-                    self._min = n + 1
-            count[page] = n + 1
-            above = buckets.get(n + 1)
-            if above is None:
-                above = buckets[n + 1] = OrderedDict()
-            above[page] = None
-        if len(hits) < len(pages):
-            self._admit([page for page in pages if page not in count])
-        return len(hits)
+        return self.reference_all([pages])
+
+    def reference_all(self, requests: list[list[int]]) -> int:
+        # The base class's steps, with the hits and admissions written out on the buckets.
+        count, buckets, capacity = self._count, self._buckets, self.capacity
+        low = self._min
+        total = 0
+        for pages in requests:
+            misses = None
+            for page in pages:
+                n = count.get(page)
+                if n is None:
+                    if misses is None:
+                        misses = [page]
+                    else:
+                        misses.append(page)
+                    continue
+                total += 1
+                bucket = buckets[n]
+                del bucket[page]
+                if not bucket:
+                    del buckets[n]
+                    if low == n:
+                        low = n + 1
+                count[page] = n + 1
+                above = buckets.get(n + 1)
+                if above is None:
+                    above = buckets[n + 1] = OrderedDict()
+                above[page] = None
+            if misses is None:
+                continue
+            self._min = low
+            for _ in range(min(len(count), len(count) + len(misses) - capacity)):
+                self._evict()
+            new = buckets.get(0)
+            if new is None:
+                new = buckets[0] = OrderedDict()
+            for page in misses:
+                count[page] = 0
+                new[page] = None
+            self._min = 0
+            while len(count) > capacity:
+                self._evict()
+            low = self._min
+        self._min = low
+        return total
 
     def _hit(self, page: int) -> None:
         count = self._count[page]
@@ -319,14 +356,45 @@ class LearnedLRUShadow(_Shadow):
     def reference(self, pages: list[int], now: float | None = None) -> int:
         """One request uses `pages` at time `now` (default: the previous reference's), as
         `_Shadow.reference`; returns the hits."""
-        if now is not None:
-            self._now = now
-        return super().reference(pages)
+        return self.reference_all([pages], [self._now if now is None else now])
 
     def reference_all(self, requests: list[list[int]], times: list[float]) -> int:
         """`reference` for each of `requests` at its time in `times`; returns the hits."""
-        reference = self.reference
-        return sum([reference(pages, now) for pages, now in zip(requests, times, strict=True)])
+        # The base class's steps, with the hits and admissions written out on the lists.
+        hits_of, lists, top, capacity = self._hits, self._lists, self._top, self.capacity
+        first = lists[0]
+        total = 0
+        for pages, now in zip(requests, times, strict=True):
+            misses = None
+            for page in pages:
+                count = hits_of.get(page)
+                if count is None:
+                    if misses is None:
+                        misses = [page]
+                    else:
+                        misses.append(page)
+                    continue
+                total += 1
+                hits_of[page] = count + 1
+                if count < top:
+                    del lists[count][page]
+                    lists[count + 1][page] = now
+                else:
+                    at_top = lists[top]
+                    at_top[page] = now
+                    at_top.move_to_end(page)
+            if misses is None:
+                continue
+            for _ in range(min(len(hits_of), len(hits_of) + len(misses) - capacity)):
+                self._evict()
+            for page in misses:
+                hits_of[page] = 0
+                first[page] = now
+            while len(hits_of) > capacity:
+                self._evict()
+        if times:
+            self._now = times[-1]
+        return total
 
 
 class GreedyDualShadow(_Shadow):
@@ -362,7 +430,7 @@ class GreedyDualShadow(_Shadow):
         # written out without a call per page.
         keys, hits_of, in_window = self._keys, self._hits, self._in_window
         reference = self.reference
-        log2 = math.log2
+        log2, push = math.log2, heapq.heappush
         total = 0
         for pages in requests:
             if not all(page in keys for page in pages):
@@ -371,13 +439,16 @@ class GreedyDualShadow(_Shadow):
             total += len(pages)
             level = self._level
             heap = self._heap
+            clock = self.clock
             for page in pages:
-                self.clock += 1
+                clock += 1
                 count = hits_of[page] + 1
                 hits_of[page] = count
                 in_window.discard(page)
-                key = keys[page] = (level + log2(2 + count), 1, self.clock)
-                heapq.heappush(heap, (*key, page))
+                priority = level + log2(2 + count)
+                keys[page] = (priority, 1, clock)
+                push(heap, (priority, 1, clock, page))
+            self.clock = clock
             if len(heap) > 2 * len(keys) + 1024:
                 self._heap = [(*k, p) for p, k in keys.items()]
                 heapq.heapify(self._heap)
