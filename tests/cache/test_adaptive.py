@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from types import SimpleNamespace
 
@@ -173,7 +174,7 @@ def test_the_lru_shadow_predicts_the_tree_under_lru():
     policy = AdaptivePolicy(sample_pages=100_000, margin=0.99)  # samples all, never switches
     simulate_cache(chat_sessions(), policy, kv_tokens=6_000)
     assert policy.mode == "lru" and not policy.switches
-    counted = [(real, raw["lru"]) for _, _, real, raw in policy.decisions[2:]]
+    counted = [(real, raw["lru"]) for _, _, real, raw in list(policy.decisions)[2:]]
     real = sum(r for r, _ in counted) / len(counted)
     shadow = sum(s for _, s in counted) / len(counted)
     assert len(counted) >= 5 and abs(real - shadow) < 0.02
@@ -423,3 +424,44 @@ def test_a_base_expert_that_learned_harm_is_floored_at_lru(floor):
         assert policy.plain_switches and rate >= lru - 0.001
     else:
         assert rate < lru - 0.002
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def test_the_summary_reports_what_the_tree_follows_and_the_shadows_estimates():
+    policy = AdaptivePolicy(sample_pages=100_000, margin=0.99)  # samples all, never switches
+    RadixCache(TokenToKVPoolAllocator(6_000), eviction_policy=policy)
+    fresh = policy.summary()
+    assert fresh.following == "learned-lru" and fresh.switches == 0 and fresh.epochs == 0
+    assert fresh.estimated_hit_rates == {} and fresh.sample_rate == 1.0
+    simulate_cache(chat_sessions(), policy, kv_tokens=6_000)
+    summary = policy.summary()
+    assert summary.epochs == len(policy.decisions) >= 5
+    assert summary.sampled_references == policy.references
+    rates = summary.estimated_hit_rates
+    assert set(rates) == {"tree", "lru", "lfu", "wgd", "learned-lru"}
+    assert all(0.0 <= rate <= 1.0 for rate in rates.values())
+    # Over the latest epochs (all of them here, up to 16), reference-weighted.
+    ends = [0] + [references for references, *_ in policy.decisions]
+    refs = [end - start for start, end in itertools.pairwise(ends)][-16:]
+    latest = list(policy.decisions)[-16:]
+    tree = sum(r * d[2] for r, d in zip(refs, latest, strict=True)) / sum(refs)
+    lru = sum(r * d[3]["lru"] for r, d in zip(refs, latest, strict=True)) / sum(refs)
+    assert rates["tree"] == pytest.approx(tree, abs=1e-9)
+    assert rates["lru"] == pytest.approx(lru, abs=1e-9)
+    assert summary.shadow_entries > 0 and summary.node_records > 0
+    policy.follow("lfu")
+    assert (policy.summary().following, policy.summary().switches) == ("lfu", 1)
+    policy.follow("lru")
+    policy._set_plain(True)
+    assert policy.summary().following == "lru", "the base expert's floor: plain recency"
+
+
+def test_the_decision_history_is_bounded():
+    # A server runs for days: an epoch every few thousand requests must not grow memory.
+    policy = AdaptivePolicy(epoch=1_000)
+    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    _epochs(policy, 1_500, real=0.3, lru=0.3, lfu=0.3, wgd=0.3)
+    assert policy.epochs == 1_500 and len(policy.decisions) == 1_024
+    assert policy.decisions[-1][0] == policy.references == 1_500_000

@@ -55,6 +55,8 @@ the tree follows wgd; and the base expert's counts, node entries and ghosts (see
 from __future__ import annotations
 
 import math
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from radixserve.cache.evict import WindowedGreedyDualPolicy
@@ -79,6 +81,30 @@ _GD_HANDICAP = 0.05
 _WINDOW_EPOCHS = 16
 _BLOCK_TOKENS = 64
 _BATCH = 16  # requests whose sampled references the shadows take at once
+_HISTORY = 1024  # entries kept in `decisions`, `switches` and `plain_switches`
+
+
+@dataclass(frozen=True)
+class AdaptiveSummary:
+    """What `adaptive` follows and what its shadows estimate, as of its latest epoch.
+
+    `following` is the order the tree evicts in: `learned-lru` (the base expert), `lru` (the
+    base expert's floor: plain recency), `lfu` or `wgd`. `estimated_hit_rates` holds, over
+    the latest epochs (up to 16), the hit rate on the sampled blocks of the tree itself
+    (`tree`) and of each shadow (`lru`, `lfu`, `wgd`, `learned-lru`): what each policy would
+    have hit at this cache's size, estimated from the sample. It is empty until the first
+    epoch. `shadow_entries` counts the names the shadows and their ghosts hold, and
+    `node_records` the tree nodes the policy keeps a record of (about 200 bytes each).
+    """
+
+    following: str
+    switches: int
+    epochs: int
+    sampled_references: int
+    sample_rate: float
+    estimated_hit_rates: dict[str, float] = field(default_factory=dict)
+    shadow_entries: int = 0
+    node_records: int = 0
 
 
 def _lfu_key(node: TreeNode) -> tuple[int, float]:
@@ -126,11 +152,12 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
     lead, as a hit-rate fraction, another expert needs before the tree switches to it.
     `epoch` is the least number of sampled references between decisions (None: 1,024, and a
     quarter of a shadow's worth of misses; given, decisions need no misses and there is no
-    transition). `switches` lists (sampled references so far, expert) at each switch, and
-    `decisions` (sampled references, followed expert, the tree's hit rate, each shadow's) at
+    transition). `switches` holds (sampled references so far, expert) for each switch, and
+    `decisions` (sampled references, followed expert, the tree's hit rate, each shadow's) for
     each epoch. `plain` says whether the base expert's floor has the tree rank by plain
-    recency while it follows the base expert; `plain_switches` lists (sampled references,
-    plain) at each change.
+    recency while it follows the base expert; `plain_switches` holds (sampled references,
+    plain) for each change. Each keeps its latest 1,024 entries; `switch_count` and `epochs`
+    count all. `summary()` reports the policy's state for monitoring.
     """
 
     name = "adaptive"
@@ -189,12 +216,17 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._learned_gaps: list[float] = []
         self._filled = False
         self.plain = False
-        self.plain_switches: list[tuple[int, bool]] = []
+        self.plain_switches: deque[tuple[int, bool]] = deque(maxlen=_HISTORY)
         self.epoch = self._epoch_arg or 1024
         self._turnover = size if self._epoch_arg is None else 0
         self.mode = "lru"
-        self.switches: list[tuple[int, str]] = []
-        self.decisions: list[tuple[int, str, float, dict[str, float]]] = []
+        self.switches: deque[tuple[int, str]] = deque(maxlen=_HISTORY)
+        self.switch_count = 0
+        self.decisions: deque[tuple[int, str, float, dict[str, float]]] = deque(maxlen=_HISTORY)
+        self.epochs = 0
+        # Per epoch of the latest ones: sampled references, and hits of the tree and of each
+        # shadow (wgd's over its own share of the sample: references, hits).
+        self._recent: deque[tuple[int, int, int, int, int, int, int]] = deque(maxlen=_WINDOW_EPOCHS)
         self.references = 0
         self._misses_in_mode = 0
         self._refs = self._real = self._gd_refs = 0
@@ -311,6 +343,19 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
     def _decide(self) -> None:
         refs = self._refs
         self.references += refs
+        self.epochs += 1
+        hits = self._hits
+        self._recent.append(
+            (
+                refs,
+                self._real,
+                hits["lru"],
+                hits["lfu"],
+                self._learned_hits,
+                self._gd_refs,
+                hits["wgd"],
+            )
+        )
         real = self._real / refs
         raw = {name: self._hits[name] / refs for name in EXPERTS}
         if self._gd_refs:
@@ -416,5 +461,34 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._misses_in_mode = 0
         self._leads = {name: [] for name in EXPERTS}
         self.switches.append((self.references, expert))
+        self.switch_count += 1
         if self.cache is not None:
             self.cache.refresh_all_eviction_keys()
+
+    def summary(self) -> AdaptiveSummary:
+        """What the policy follows and what its shadows estimate (see `AdaptiveSummary`)."""
+        following = self.mode
+        if following == "lru":
+            following = "lru" if self.plain else "learned-lru"
+        estimates: dict[str, float] = {}
+        if self._recent:
+            refs, real, lru, lfu, learned, gd_refs, gd = map(sum, zip(*self._recent, strict=True))
+            estimates = {
+                "tree": real / refs,
+                "lru": lru / refs,
+                "lfu": lfu / refs,
+                "learned-lru": learned / refs,
+            }
+            if gd_refs:
+                estimates["wgd"] = gd / gd_refs
+        shadows = (self._lru, self._lfu, self._learned, self._gd)
+        return AdaptiveSummary(
+            following=following,
+            switches=self.switch_count,
+            epochs=self.epochs,
+            sampled_references=self.references,
+            sample_rate=self._hasher.rate,
+            estimated_hit_rates=estimates,
+            shadow_entries=sum(map(len, shadows)) + len(self._gd._ghosts),
+            node_records=len(self._names),
+        )

@@ -94,6 +94,8 @@ class _EngineState:
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        if snap.eviction is not None:
+            yield from _eviction_families(snap.eviction)
         engine = worker.engine
         tiers = [("host", getattr(engine, "host_tier", None))]
         storage_io = getattr(engine, "storage_io", None)
@@ -101,6 +103,56 @@ class _EngineState:
         for name, tier in tiers:
             if tier is not None:
                 yield from _tier_families(name, tier)
+
+
+def _eviction_families(summary):
+    """`adaptive`'s report (an `AdaptiveSummary`): what it follows, what its shadows estimate."""
+    following = GaugeMetricFamily(
+        "radixserve_eviction_following",
+        "1 for the order the adaptive eviction policy evicts in now.",
+        labels=["expert"],
+    )
+    for expert in ("learned-lru", "lru", "lfu", "wgd"):
+        following.add_metric([expert], float(summary.following == expert))
+    yield following
+    estimates = GaugeMetricFamily(
+        "radixserve_eviction_estimated_hit_rate",
+        "Hit rate on the sampled blocks over the latest epochs: the cache's own (tree) and what "
+        "each shadow policy would have hit at this cache's size.",
+        labels=["policy"],
+    )
+    for policy, rate in summary.estimated_hit_rates.items():
+        estimates.add_metric([policy], rate)
+    yield estimates
+    counters = (
+        ("radixserve_eviction_switches", "Switches between eviction experts.", summary.switches),
+        (
+            "radixserve_eviction_sampled_references",
+            "Block references the eviction shadows have seen.",
+            summary.sampled_references,
+        ),
+    )
+    for name, doc, value in counters:
+        yield CounterMetricFamily(name, doc, value=value)
+    gauges = (
+        (
+            "radixserve_eviction_sample_rate",
+            "Share of blocks the shadows sample.",
+            summary.sample_rate,
+        ),
+        (
+            "radixserve_eviction_shadow_entries",
+            "Block names held by the shadows and their ghosts.",
+            summary.shadow_entries,
+        ),
+        (
+            "radixserve_eviction_node_records",
+            "Tree nodes the adaptive policy keeps a record of.",
+            summary.node_records,
+        ),
+    )
+    for name, doc, value in gauges:
+        yield GaugeMetricFamily(name, doc, value=float(value))
 
 
 def _tier_families(name: str, tier):

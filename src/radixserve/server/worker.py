@@ -68,6 +68,8 @@ class EngineSnapshot:
     kv_available: int
     kv_pool: int
     stats: SchedulerStats
+    # The eviction policy's own report, where it gives one (`adaptive`'s `AdaptiveSummary`).
+    eviction: object | None = None
 
     @classmethod
     def of(cls, engine: Engine, now: float, steps: int) -> EngineSnapshot:
@@ -85,6 +87,7 @@ class EngineSnapshot:
             kv_available=engine.allocator.available_size(),
             kv_pool=engine.allocator.size,
             stats=dataclasses.replace(sched.stats),
+            eviction=summary() if (summary := getattr(cache.policy, "summary", None)) else None,
         )
 
 
