@@ -31,8 +31,11 @@ advance, and the regime changes over a day. So this policy runs all three and me
 
 The floor: while the tree follows another expert, its measured hit rate is compared every epoch
 with the LRU shadow on the same references, and a mean shortfall over `margin` sends it back to
-the base expert.
-What is lost in between is the lag: the transition, then two epochs.
+the base expert. During the transition after a switch, when the tree's rate says little, the
+shadows still compare: when the LRU shadow leads every other expert's (wgd's corrected) by a
+mean over `margin` in two or more epochs, the tree goes back to the base expert at once.
+What is lost in between is the lag: two epochs when the shadows turn, else the transition
+and two epochs.
 
 The base expert has a floor of its own: a fourth shadow runs `learned-lru` with the base
 expert's tolerances on the same sample. Both it and the LRU shadow treat blocks as
@@ -235,6 +238,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._gd_bias: float | None = None
         self._base_gaps: list[float] = []
         self._leads: dict[str, list[float]] = {name: [] for name in EXPERTS}
+        self._reversal: list[float] = []
         self._base = _BaseExpert(self)
         self._base.bind(cache)
         self._learned = LearnedLRUShadow(size, self._base, self._base.classes)
@@ -375,6 +379,8 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         # Until the tree has filled, or replaced its contents since a switch, it is in
         # transition: its hit rate says little about the expert it follows.
         if misses_before < self._turnover:
+            if self.mode != "lru" and self._filled:
+                self._check_reversal(raw)
             return
         # Each other expert's lead, epoch by epoch: its shadow against what the tree really
         # got. Under the base expert, against the LRU shadow where that is higher: it shares
@@ -420,6 +426,18 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         if len(self._leads[best]) >= 2 and lead > self.margin and confident:
             self.follow(best)
 
+    def _check_reversal(self, raw: dict[str, float]) -> None:
+        """In transition after a switch the tree's rate says little, but the shadows still
+        compare. When the LRU shadow leads the shadows of every other expert by over `margin`
+        on the mean of two or more epochs, the evidence the switch was made on is gone and
+        recency is the best of them: the tree goes back to the base expert."""
+        gd_correction = -_GD_HANDICAP if self._gd_bias is None else self._gd_bias
+        best_other = max(raw["lfu"], raw["wgd"] + gd_correction)
+        reversal = self._reversal
+        reversal.append(raw["lru"] - best_other)
+        if len(reversal) >= 2 and sum(reversal) / len(reversal) > self.margin:
+            self.follow("lru")
+
     def _judge_base_expert(self, gap: float) -> None:
         """The base expert's floor. Its shadow and the LRU shadow see the same sample and err
         alike (pages, not nodes), so their difference is its gain over LRU without that
@@ -459,6 +477,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self.mode = expert
         self._use_keys_of(expert)
         self._misses_in_mode = 0
+        self._reversal: list[float] = []
         self._leads = {name: [] for name in EXPERTS}
         self.switches.append((self.references, expert))
         self.switch_count += 1
