@@ -467,14 +467,21 @@ def test_the_decision_history_is_bounded():
     assert policy.decisions[-1][0] == policy.references == 1_500_000
 
 
+def _filled_then_switched_to(expert: str) -> AdaptivePolicy:
+    """A policy with the default epochs (a transition after each switch), filled under its
+    base expert with every shadow alike, then switched to `expert` by hand."""
+    policy = AdaptivePolicy()
+    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    _epochs(policy, 4, real=0.45, lru=0.45, lfu=0.45, wgd=0.0)
+    policy.follow(expert)
+    return policy
+
+
 def test_it_goes_back_when_the_shadows_turn_during_the_transition():
     # Regression (popularity-drift at 10%, study seed 11): LFU's shadow led for two epochs,
     # the tree switched, and popularity moved; the tree kept LFU through its transition (five
     # epochs), 1.3 points below LRU over the trace. The shadows need no transition.
-    policy = AdaptivePolicy()
-    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
-    _epochs(policy, 4, real=0.45, lru=0.45, lfu=0.45, wgd=0.0)
-    policy.follow("lfu")
+    policy = _filled_then_switched_to("lfu")
     _epochs(policy, 1, real=0.5, lru=0.55, lfu=0.52, wgd=0.0)
     assert policy.mode == "lfu", "one epoch is not evidence"
     _epochs(policy, 1, real=0.5, lru=0.57, lfu=0.53, wgd=0.0)
@@ -484,9 +491,6 @@ def test_it_goes_back_when_the_shadows_turn_during_the_transition():
 def test_it_keeps_the_switch_while_another_experts_shadow_still_beats_lrus():
     # Regression (system-prompts at 10%, study seed 1): wgd's shadow fell under LRU's after
     # a switch to wgd, but LFU's stayed above both: recency is not what the shadows favour.
-    policy = AdaptivePolicy()
-    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
-    _epochs(policy, 4, real=0.45, lru=0.45, lfu=0.45, wgd=0.0)
-    policy.follow("wgd")
+    policy = _filled_then_switched_to("wgd")
     _epochs(policy, 2, real=0.5, lru=0.47, lfu=0.51, wgd=0.45)
     assert policy.mode == "wgd"

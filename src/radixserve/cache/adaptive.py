@@ -477,7 +477,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self.mode = expert
         self._use_keys_of(expert)
         self._misses_in_mode = 0
-        self._reversal: list[float] = []
+        self._reversal = []
         self._leads = {name: [] for name in EXPERTS}
         self.switches.append((self.references, expert))
         self.switch_count += 1

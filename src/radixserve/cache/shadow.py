@@ -240,48 +240,30 @@ class LFUShadow(_Shadow):
         return self.reference_all([pages])
 
     def reference_all(self, requests: list[list[int]]) -> int:
-        # The base class's steps, with the hits and admissions written out on the buckets.
-        count, buckets, capacity = self._count, self._buckets, self.capacity
-        low = self._min
+        # The base class's steps, with the hits written out on the buckets.
+        count, buckets = self._count, self._buckets
         total = 0
         for pages in requests:
-            misses = None
+            misses = []
             for page in pages:
                 n = count.get(page)
                 if n is None:
-                    if misses is None:
-                        misses = [page]
-                    else:
-                        misses.append(page)
+                    misses.append(page)
                     continue
                 total += 1
                 bucket = buckets[n]
                 del bucket[page]
                 if not bucket:
                     del buckets[n]
-                    if low == n:
-                        low = n + 1
+                    if self._min == n:
+                        self._min = n + 1
                 count[page] = n + 1
                 above = buckets.get(n + 1)
                 if above is None:
                     above = buckets[n + 1] = OrderedDict()
                 above[page] = None
-            if misses is None:
-                continue
-            self._min = low
-            for _ in range(min(len(count), len(count) + len(misses) - capacity)):
-                self._evict()
-            new = buckets.get(0)
-            if new is None:
-                new = buckets[0] = OrderedDict()
-            for page in misses:
-                count[page] = 0
-                new[page] = None
-            self._min = 0
-            while len(count) > capacity:
-                self._evict()
-            low = self._min
-        self._min = low
+            if misses:
+                self._admit(misses)
         return total
 
     def _hit(self, page: int) -> None:
@@ -360,19 +342,15 @@ class LearnedLRUShadow(_Shadow):
 
     def reference_all(self, requests: list[list[int]], times: list[float]) -> int:
         """`reference` for each of `requests` at its time in `times`; returns the hits."""
-        # The base class's steps, with the hits and admissions written out on the lists.
-        hits_of, lists, top, capacity = self._hits, self._lists, self._top, self.capacity
-        first = lists[0]
+        # The base class's steps, with the hits written out on the lists.
+        hits_of, lists, top = self._hits, self._lists, self._top
         total = 0
         for pages, now in zip(requests, times, strict=True):
-            misses = None
+            misses = []
             for page in pages:
                 count = hits_of.get(page)
                 if count is None:
-                    if misses is None:
-                        misses = [page]
-                    else:
-                        misses.append(page)
+                    misses.append(page)
                     continue
                 total += 1
                 hits_of[page] = count + 1
@@ -383,15 +361,9 @@ class LearnedLRUShadow(_Shadow):
                     at_top = lists[top]
                     at_top[page] = now
                     at_top.move_to_end(page)
-            if misses is None:
-                continue
-            for _ in range(min(len(hits_of), len(hits_of) + len(misses) - capacity)):
-                self._evict()
-            for page in misses:
-                hits_of[page] = 0
-                first[page] = now
-            while len(hits_of) > capacity:
-                self._evict()
+            if misses:
+                self._now = now
+                self._admit(misses)
         if times:
             self._now = times[-1]
         return total
