@@ -167,6 +167,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             )
     print(f"{what}\n")
     print(markdown_table(results, infinite_bound=bound, unit=unit))
+    _print_policy_summaries(results, unit)
     if args.out:
         out = _write_results(args, "replay.json", results, trace, bound, unique_tokens=unique)
         write_csv(out / "replay.csv", results)
@@ -387,12 +388,21 @@ def _cache_only(args, trace, results, bound, unique, unit) -> int:
         f"{unique:,} unique {unit}, no scheduler.\n"
     )
     print(cache_only_table(results, unit, infinite_bound=bound))
+    _print_policy_summaries(results, unit)
     if args.out:
         out = _write_results(
             args, "cache_only.json", results, trace, bound, unique=unique, unit=unit
         )
         log.info("wrote %s", out / "cache_only.json")
     return 0
+
+
+def _print_policy_summaries(results, unit: str) -> None:
+    from radixserve.sim.report import policy_summary_lines
+
+    lines = policy_summary_lines(results, unit)
+    if lines:
+        print("\n" + "\n".join(f"- {line}" for line in lines))
 
 
 def _write_results(args, name: str, results, trace, bound: float, **extra) -> Path:

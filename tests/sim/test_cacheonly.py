@@ -115,6 +115,43 @@ def test_the_cli_runs_a_mooncake_trace_by_blocks(tmp_path, capsys):
     assert "unique tokens" in capsys.readouterr().out
 
 
+def test_a_policy_that_reports_on_itself_has_its_account_in_the_result():
+    from dataclasses import asdict
+
+    from radixserve.cache.adaptive import AdaptivePolicy
+    from radixserve.cache.evict import register_eviction_policy
+
+    made: list[AdaptivePolicy] = []
+
+    def factory() -> AdaptivePolicy:
+        made.append(AdaptivePolicy(sample_pages=64))
+        return made[-1]
+
+    register_eviction_policy("adaptive-recorded", factory, replace=True)
+    trace = make_workload("multi-turn-random", seed=3, num_sessions=64, turns=4)
+    result = simulate_cache(trace, "adaptive-recorded", cache_fraction=5)
+    summary = made[-1].summary()
+    assert summary.epochs > 0 and summary.estimated_hit_rates
+    assert result.policy_summary == asdict(summary)
+    assert result.as_dict()["policy_summary"]["following"] == summary.following
+    assert simulate_cache(trace, "lru", cache_fraction=5).policy_summary is None
+
+
+def test_the_cli_prints_adaptive_s_account_for_each_of_its_rows(tmp_path, capsys):
+    path = tmp_path / "trace.jsonl"
+    write_mooncake(path, chat_traffic(num_sessions=60, num_apps=4, seed=1))
+    out = tmp_path / "out"
+    argv = ["replay", str(path), "--cache-only", "--eviction", "lru,adaptive", "--out", str(out)]
+    assert main([*argv, "--cache", "5%,20%"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("- ")]
+    assert len(lines) == 2 and all(line.startswith("- adaptive at ") for line in lines)
+    assert all("switches in" in line and "tree" in line for line in lines)
+    import json
+
+    rows = json.loads((out / "cache_only.json").read_text())["results"]
+    assert [r["policy_summary"] is None for r in rows] == [True, True, False, False]
+
+
 def test_a_host_tier_adds_hits_up_to_the_infinite_cache_bound():
     from radixserve.sim.oracle import infinite_cache
 

@@ -56,6 +56,15 @@ def test_stateful_policies_keep_the_invariants_under_pressure(workload, eviction
     assert result.failed == 0 and result.evicted_tokens > 0
 
 
+def test_a_replay_under_adaptive_carries_the_policy_s_account():
+    trace = make_workload("multi-turn", seed=0, **SMALL["multi-turn"])
+    config = ReplayConfig(eviction_policy="adaptive", cache_fraction=5, check_invariants=True)
+    summary = replay(trace, config).policy_summary
+    assert summary is not None and summary["following"] in ("learned-lru", "lru", "lfu", "wgd")
+    assert summary["sampled_references"] > 0 and summary["node_records"] > 0
+    assert replay(trace, ReplayConfig(cache_fraction=5)).policy_summary is None
+
+
 def test_replays_are_deterministic():
     trace = make_workload("multi-turn", seed=0, **SMALL["multi-turn"])
     config = ReplayConfig(schedule_policy="lpm", cache_fraction=5)

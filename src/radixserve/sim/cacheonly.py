@@ -36,7 +36,7 @@ from radixserve.cache.allocator import PagedTokenToKVPoolAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.errors import InvalidArgumentError
 from radixserve.sim.oracle import BeladyPolicy, served_sequence, unique_tokens
-from radixserve.sim.replay import check_capacity, make_policy, pool_size
+from radixserve.sim.replay import check_capacity, make_policy, policy_summary, pool_size
 from radixserve.sim.tiers import lab_tiers
 from radixserve.sim.traces import TraceRequest
 
@@ -62,6 +62,8 @@ class CacheOnlyResult:
     storage_tokens: int = 0
     storage_hit_tokens: int = 0
     storage_hit_rate: float = 0.0
+    policy_summary: dict | None = None
+    """The eviction policy's own account at the end (`sim.replay.policy_summary`)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -156,4 +158,5 @@ def simulate_cache(
         storage_tokens=storage_tokens,
         storage_hit_tokens=storage_hits,
         storage_hit_rate=storage_hits / max(1, prompt_tokens),
+        policy_summary=policy_summary(policy),
     )

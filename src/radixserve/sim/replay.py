@@ -13,7 +13,7 @@ import heapq
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -198,6 +198,8 @@ class ReplayResult:
     storage_hit_tokens: int = 0
     storage_hit_rate: float = 0.0
     """Prompt tokens (keys) loaded from the storage tier, over all prompt tokens."""
+    policy_summary: dict | None = None
+    """The eviction policy's own account at the end (`policy_summary`), where it gives one."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -234,6 +236,17 @@ def make_policy(
     if name == "belady":
         return BeladyPolicy(trace, page_size, whole_prompt=whole_prompt)
     return make_eviction_policy(name)
+
+
+def policy_summary(policy: object) -> dict | None:
+    """What a policy says of itself at the end of a run, as plain data: `summary()` of a
+    policy that has one (`adaptive`: the expert it follows, its switches, its shadows'
+    estimates), None for the others."""
+    summary = getattr(policy, "summary", None)
+    if not callable(summary):
+        return None
+    report = summary()
+    return asdict(report) if is_dataclass(report) else dict(report)
 
 
 _TOKEN_DENOMINATED = (
@@ -525,4 +538,5 @@ def replay(
         storage_cache_tokens=config.storage_cache_tokens,
         storage_hit_tokens=charged[1],
         storage_hit_rate=charged[1] / max(1, stats.prompt_tokens),
+        policy_summary=policy_summary(policy),
     )

@@ -80,8 +80,40 @@ def cache_only_table(results: Sequence, unit: str, infinite_bound: float | None 
     return "\n".join(lines)
 
 
+def policy_summary_lines(results: Sequence, unit: str) -> list[str]:
+    """A line for each result whose eviction policy gave an account of itself
+    (`policy_summary`): what it evicts by at the end, how often it switched, and its shadows'
+    estimates of each policy's hit rate over its latest epochs."""
+    lines = []
+    for r in results:
+        summary = getattr(r, "policy_summary", None)
+        if not summary:
+            continue
+        where = f"{r.eviction_policy} at {100 * r.cache_fraction:.2f}% ({r.kv_tokens:,} {unit})"
+        known = ("following", "switches", "epochs", "sampled_references", "sample_rate")
+        if all(k in summary for k in known):
+            text = (
+                f"{where}: evicts as {summary['following']} at the end, after "
+                f"{summary['switches']} switches in {summary['epochs']} epochs "
+                f"({summary['sampled_references']:,} sampled references, rate "
+                f"{summary['sample_rate']:.3g})"
+            )
+            estimates = summary.get("estimated_hit_rates") or {}
+            if estimates:
+                text += "; estimated hit rates over its latest epochs, %: " + ", ".join(
+                    f"{name} {100 * rate:.1f}" for name, rate in estimates.items()
+                )
+        else:
+            text = f"{where}: " + ", ".join(f"{k} {v}" for k, v in summary.items())
+        lines.append(text + ".")
+    return lines
+
+
 def write_csv(path: str | Path, results: Sequence[ReplayResult]) -> None:
     rows = [r.as_dict() for r in results]
+    for row in rows:  # a nested account goes in one cell, as JSON
+        if isinstance(row.get("policy_summary"), dict):
+            row["policy_summary"] = json.dumps(row["policy_summary"])
     with Path(path).open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
