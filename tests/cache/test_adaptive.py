@@ -30,6 +30,7 @@ from radixserve.cache.shadow import (
 )
 from radixserve.errors import InvalidArgumentError
 from radixserve.sim.cacheonly import simulate_cache
+from radixserve.sim.workloads import make_workload
 
 # -- prefix hashes ------------------------------------------------------------------------------
 
@@ -494,3 +495,28 @@ def test_it_keeps_the_switch_while_another_experts_shadow_still_beats_lrus():
     policy = _filled_then_switched_to("wgd")
     _epochs(policy, 2, real=0.5, lru=0.47, lfu=0.51, wgd=0.45)
     assert policy.mode == "wgd"
+
+
+def test_an_unchecked_wgd_shadow_is_handicapped_by_at_most_what_the_reference_hits():
+    # A wrong trial of wgd cannot lose more than the tree's rate: where LRU hits nothing (a
+    # cycle longer than the cache), a 4-point wgd lead is taken, not held to the 5 points.
+    policy = AdaptivePolicy(epoch=1_000)
+    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    _epochs(policy, 2, real=0.0, lru=0.0, lfu=0.0, wgd=0.04)
+    assert policy.mode == "wgd"
+    high = AdaptivePolicy(epoch=1_000)
+    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=high)
+    _epochs(high, 4, real=0.3, lru=0.3, lfu=0.3, wgd=0.34)
+    assert high.mode == "lru", "above 5 points of reference rate the full handicap holds"
+
+
+def test_it_follows_wgd_on_a_cycle_where_lru_and_lfu_hit_nothing():
+    # Regression (agent at 5-20% in the study): with the full handicap the tree stayed with
+    # its base expert at 0% while wgd hit 10% (this trace at 10%: 0.0 before, 6.0 after).
+    trace = make_workload("agent", seed=0, num_agents=64, steps=6)
+    assert simulate_cache(trace, "lru", cache_fraction=10.0).hit_rate == 0.0
+    wgd = simulate_cache(trace, "wgd", cache_fraction=10.0).hit_rate
+    policy = AdaptivePolicy()
+    rate = simulate_cache(trace, policy, cache_fraction=10.0, check_invariants=True).hit_rate
+    assert policy.mode == "wgd"
+    assert 0.03 < rate <= wgd

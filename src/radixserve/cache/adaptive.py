@@ -22,8 +22,9 @@ advance, and the regime changes over a day. So this policy runs all three and me
 - **Epochs.** Every `epoch` sampled references (and a quarter of a shadow's worth of misses),
   each other expert's lead is recorded: its shadow's hit rate minus what the tree really got
   (or the LRU shadow's, where higher, while the tree follows the base expert). The wgd shadow
-  is corrected by what the tree got while following wgd, and handicapped by 5 points until
-  then. The tree leaves the base expert for the one with the largest mean lead over the last
+  is corrected by what the tree got while following wgd, and until then handicapped by 5
+  points or the reference's own rate, whichever is less (a wrong trial of wgd cannot lose more
+  than that). The tree leaves the base expert for the one with the largest mean lead over the last
   16 epochs if that lead is over `margin` and over twice its standard error; it goes back to
   the base expert on a lead of the LRU shadow over `margin` alone, the shadow lowered by the
   optimism it surely showed while the tree followed the base expert. No lead is recorded until
@@ -389,12 +390,13 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         reference = max(raw["lru"], real) if self.mode == "lru" else real
         # The wgd shadow models a tree policy with independent pages and can be several points
         # optimistic: it is corrected by what the tree got while following wgd, and until that
-        # is known, handicapped.
+        # is known, handicapped (by no more than the reference's rate: where LRU hits nothing,
+        # a wrong trial of wgd has nothing to lose).
         if self.mode == "wgd":
             gap = real - raw["wgd"]
             old = self._gd_bias
             self._gd_bias = gap if old is None else old + 0.5 * (gap - old)
-        gd_correction = -_GD_HANDICAP if self._gd_bias is None else self._gd_bias
+        gd_correction = self._gd_correction(reference)
         # The LRU shadow can be optimistic too: it evicts a block at a time where the tree
         # evicts whole leaves. While the tree follows another expert, the LRU shadow is lowered
         # by how far it surely stood above the tree under the base expert: the mean over the
@@ -426,13 +428,19 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         if len(self._leads[best]) >= 2 and lead > self.margin and confident:
             self.follow(best)
 
+    def _gd_correction(self, reference: float) -> float:
+        """What the wgd shadow's rate is corrected by: the measured bias once the tree has
+        followed wgd, else minus the handicap, at most `reference` (the rate a trial risks)."""
+        if self._gd_bias is not None:
+            return self._gd_bias
+        return -min(_GD_HANDICAP, reference)
+
     def _check_reversal(self, raw: dict[str, float]) -> None:
         """In transition after a switch the tree's rate says little, but the shadows still
         compare. When the LRU shadow leads the shadows of every other expert by over `margin`
         on the mean of two or more epochs, the evidence the switch was made on is gone and
         recency is the best of them: the tree goes back to the base expert."""
-        gd_correction = -_GD_HANDICAP if self._gd_bias is None else self._gd_bias
-        best_other = max(raw["lfu"], raw["wgd"] + gd_correction)
+        best_other = max(raw["lfu"], raw["wgd"] + self._gd_correction(raw["lru"]))
         reversal = self._reversal
         reversal.append(raw["lru"] - best_other)
         if len(reversal) >= 2 and sum(reversal) / len(reversal) > self.margin:
