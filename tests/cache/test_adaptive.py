@@ -269,6 +269,13 @@ def test_its_base_expert_learns_what_frequency_pays_without_switching():
     assert rate > lru + 0.05
 
 
+def _deciding_policy() -> AdaptivePolicy:
+    """A policy bound to a 4,096-slot tree that decides every 1,000 sampled references."""
+    policy = AdaptivePolicy(epoch=1_000)
+    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    return policy
+
+
 def _epochs(
     policy: AdaptivePolicy, count: int, real: float, learned: float | None = None, **shadows: float
 ) -> None:
@@ -285,8 +292,7 @@ def _epochs(
 def _switched_to_lfu(base_epochs: int, real: float, lru: float, lfu: float) -> AdaptivePolicy:
     """A policy that decides every epoch (no transition), after `base_epochs` epochs under its
     base expert with these rates, switched to LFU by hand."""
-    policy = AdaptivePolicy(epoch=1_000)
-    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    policy = _deciding_policy()
     _epochs(policy, base_epochs, real=real, lru=lru, lfu=lfu, wgd=0.0)
     policy.follow("lfu")
     return policy
@@ -389,8 +395,7 @@ def test_the_learned_lru_shadow_keeps_a_class_with_a_longer_tolerance():
 
 
 def test_the_tree_ranks_by_plain_recency_while_the_base_experts_shadow_trails_lrus():
-    policy = AdaptivePolicy(epoch=1_000)
-    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    policy = _deciding_policy()
     _epochs(policy, 4, real=0.30, learned=0.298, lru=0.30, lfu=0.0, wgd=0.0)
     assert not policy.plain, "a loss under the margin is not one"
     _epochs(policy, 4, real=0.30, learned=0.28, lru=0.30, lfu=0.0, wgd=0.0)
@@ -461,8 +466,7 @@ def test_the_summary_reports_what_the_tree_follows_and_the_shadows_estimates():
 
 def test_the_decision_history_is_bounded():
     # A server runs for days: an epoch every few thousand requests must not grow memory.
-    policy = AdaptivePolicy(epoch=1_000)
-    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    policy = _deciding_policy()
     _epochs(policy, 1_500, real=0.3, lru=0.3, lfu=0.3, wgd=0.3)
     assert policy.epochs == 1_500 and len(policy.decisions) == 1_024
     assert policy.decisions[-1][0] == policy.references == 1_500_000
@@ -500,12 +504,10 @@ def test_it_keeps_the_switch_while_another_experts_shadow_still_beats_lrus():
 def test_an_unchecked_wgd_shadow_is_handicapped_by_at_most_what_the_reference_hits():
     # A wrong trial of wgd cannot lose more than the tree's rate: where LRU hits nothing (a
     # cycle longer than the cache), a 4-point wgd lead is taken, not held to the 5 points.
-    policy = AdaptivePolicy(epoch=1_000)
-    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=policy)
+    policy = _deciding_policy()
     _epochs(policy, 2, real=0.0, lru=0.0, lfu=0.0, wgd=0.04)
     assert policy.mode == "wgd"
-    high = AdaptivePolicy(epoch=1_000)
-    RadixCache(TokenToKVPoolAllocator(4_096), eviction_policy=high)
+    high = _deciding_policy()
     _epochs(high, 4, real=0.3, lru=0.3, lfu=0.3, wgd=0.34)
     assert high.mode == "lru", "above 5 points of reference rate the full handicap holds"
 
