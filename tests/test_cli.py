@@ -83,7 +83,7 @@ def test_cost_constants_are_settable_by_name():
 def test_workload_args_reach_the_generator_and_bad_ones_exit_2(capsys):
     assert main(["replay", "workload:agent", "--workload-args", "num_agents=2,steps=2"]) == 0
     assert "| lru | fcfs |" in capsys.readouterr().out
-    for bad in ("num_agents", "no_such_arg=3", "num_agents=0"):
+    for bad in ("num_agents", "no_such_arg=3", "num_agents=0", "seed=3"):
         with pytest.raises(SystemExit) as exc:
             main(["replay", "workload:agent", "--workload-args", bad])
         assert exc.value.code == 2
@@ -152,3 +152,22 @@ def test_every_subcommands_help_prints(capsys):
             main([name, "--help"])
         assert exit_info.value.code == 0, name
         assert "usage: radixserve" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--seed", "-3"],
+        ["--cache", "abc"],
+        ["--policy", "nope"],
+        ["--eviction", "lfu,adaptive"],
+    ],
+)
+def test_study_refuses_bad_arguments_before_simulating(bad, tmp_path, capsys):
+    """Regression: a negative seed or a size that is not a number came out as a traceback, and
+    a judged policy the study does not run was found out only after every cell had run."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["study", "--workloads", "agent", "--scale", "0.01", "--out", str(tmp_path), *bad])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err

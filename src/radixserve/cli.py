@@ -91,6 +91,8 @@ def _load(
 
     if trace.startswith("workload:"):
         kwargs = parse_workload_args(workload_args)
+        if "seed" in kwargs:
+            raise InvalidArgumentError("--workload-args: give the seed with --seed")
         try:
             return workload_trace(
                 trace.split(":", 1)[1], seed=seed, block_keys=block_keys, **kwargs
@@ -422,10 +424,29 @@ def _write_results(args, name: str, results, trace, bound: float, **extra) -> Pa
     return out
 
 
+def _study_sizes(value: str) -> list[float]:
+    """`radixserve study --cache`: comma-separated percentages, with or without `%`."""
+    sizes = []
+    for item in _split(value):
+        try:
+            sizes.append(float(item.removesuffix("%")))
+        except ValueError:
+            raise InvalidArgumentError(
+                f"--cache entries must be percentages like 5 or 5%, got {item!r}"
+            ) from None
+    return sizes
+
+
 def cmd_study(args: argparse.Namespace) -> int:
     from radixserve.sim.study import mean_gap_closed, run_study, summarize, write_report
 
-    sizes = [float(s) for s in _split(args.cache.replace("%", ""))]
+    sizes = _study_sizes(args.cache)
+    policies = _split(args.eviction)
+    for needed, why in ((args.policy, "--policy"), ("lru", "the summary's baseline")):
+        if needed not in policies:
+            raise InvalidArgumentError(
+                f"--eviction must include {needed!r} ({why}), got {','.join(policies)}"
+            )
     workloads = _split(args.workloads) if args.workloads else None
     kwargs = {"workloads": workloads} if workloads else {}
 
@@ -439,7 +460,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     if not args.resume:  # a journal from older code would hand back stale cells
         journal.unlink(missing_ok=True)
     rows = run_study(
-        policies=_split(args.eviction),
+        policies=policies,
         sizes=sizes,
         scale=args.scale,
         seed=args.seed,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from radixserve.errors import InvalidArgumentError
-from radixserve.sim.workloads import WORKLOADS, chat_traffic, make_workload
+from radixserve.sim.workloads import WORKLOADS, chat_traffic, make_workload, mooncake_conversation
 
 
 def starts_with(seq, prefix) -> bool:
@@ -84,6 +84,17 @@ def test_poisson_arrivals_are_increasing_and_validated():
         make_workload("few-shot", rate=0)
     with pytest.raises(InvalidArgumentError, match="workload"):
         make_workload("nope")
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, "3"])
+def test_a_bad_seed_is_refused_by_every_generator(seed):
+    """Regression: a negative seed reached numpy and came out as a bare traceback."""
+    with pytest.raises(InvalidArgumentError, match="seed"):
+        make_workload("few-shot", seed=seed)
+    with pytest.raises(InvalidArgumentError, match="seed"):
+        chat_traffic(num_sessions=4, seed=seed)
+    with pytest.raises(InvalidArgumentError, match="seed"):
+        mooncake_conversation(num_sessions=4, seed=seed)
 
 
 def test_chat_traffic_has_the_shape_it_promises():

@@ -30,7 +30,7 @@ class _Gen:
     def __init__(self, seed: int, rate: float | None) -> None:
         if rate is not None and not rate > 0:
             raise InvalidArgumentError(f"rate must be > 0 requests/s or None, got {rate!r}")
-        self.rng = np.random.default_rng(seed)
+        self.rng = _rng(seed)
         self.rate = rate
 
     def tokens(self, n: int) -> np.ndarray:
@@ -49,6 +49,13 @@ class _Gen:
             after = f"req-{item[2]}" if len(item) > 2 and item[2] is not None else None
             out.append(TraceRequest(f"req-{i}", float(t), prompt, len(answer), answer, 0, after))
         return out
+
+
+def _rng(seed: int) -> np.random.Generator:
+    """numpy's generator for `seed`, an integer >= 0 (numpy's own refusal is a bare traceback)."""
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise InvalidArgumentError(f"seed must be an integer >= 0, got {seed!r}")
+    return np.random.default_rng(seed)
 
 
 def _positive(**values: int) -> None:
@@ -265,7 +272,7 @@ def mooncake_conversation(
     _ranges(1, app_blocks=app_blocks, turn_blocks=turn_blocks, output_tokens=output_tokens)
     if not mean_turns >= 1:
         raise InvalidArgumentError(f"mean_turns must be >= 1, got {mean_turns!r}")
-    rng = np.random.default_rng(seed)
+    rng = _rng(seed)
     next_block = itertools.count()
     apps = [
         [next(next_block) for _ in range(rng.integers(app_blocks[0], app_blocks[1] + 1))]
@@ -333,7 +340,7 @@ def chat_traffic(
         raise InvalidArgumentError("need think_median_s > 0 and think_sigma >= 0")
     if drift_every_s is not None and not drift_every_s > 0:
         raise InvalidArgumentError(f"drift_every_s must be > 0 or None, got {drift_every_s!r}")
-    rng = np.random.default_rng(seed)
+    rng = _rng(seed)
     next_block = itertools.count()
 
     def blocks(bounds: tuple[int, int]) -> list[int]:
