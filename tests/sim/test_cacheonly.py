@@ -98,6 +98,9 @@ def test_bad_capacities_are_refused():
         simulate_cache([], "lru", kv_tokens=4)
     with pytest.raises(InvalidArgumentError):
         simulate_cache(trace, "no-such-policy", kv_tokens=4)
+    for page_size in (0, -4):  # regression: 0 raised ZeroDivisionError sizing the pool
+        with pytest.raises(InvalidArgumentError, match="page_size"):
+            simulate_cache(trace, "lru", kv_tokens=4, page_size=page_size)
 
 
 def test_the_cli_runs_a_mooncake_trace_by_blocks(tmp_path, capsys):

@@ -125,6 +125,9 @@ def test_config_validation():
         ReplayConfig(kv_cache_tokens=5, arrivals="now")
     with pytest.raises(InvalidArgumentError, match="empty"):
         replay([], ReplayConfig(kv_cache_tokens=5))
+    for page_size in (0, -4, 2.5):  # regression: 0 raised ZeroDivisionError sizing the pool
+        with pytest.raises(InvalidArgumentError, match="page_size"):
+            ReplayConfig(kv_cache_tokens=5, page_size=page_size)
 
 
 def test_disabled_cache_computes_every_prompt_token():

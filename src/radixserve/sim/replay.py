@@ -61,6 +61,7 @@ class ReplayConfig:
 
     def __post_init__(self) -> None:
         check_capacity(self.kv_cache_tokens, self.cache_fraction, "kv_cache_tokens")
+        check_page_size(self.page_size)
         parse_arrivals(self.arrivals)
 
 
@@ -74,11 +75,18 @@ def check_capacity(kv_tokens: int | None, cache_fraction: float | None, name: st
         raise InvalidArgumentError(f"cache_fraction must be in (0, 100], got {cache_fraction!r}")
 
 
+def check_page_size(page_size: int) -> None:
+    """Raise unless `page_size` is an integer >= 1."""
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise InvalidArgumentError(f"page_size must be an integer >= 1, got {page_size!r}")
+
+
 def pool_size(
     kv_tokens: int | None, cache_fraction: float | None, unique: int, largest: int, page_size: int
 ) -> tuple[int, int]:
     """(asked, used) KV tokens: `kv_tokens`, or `cache_fraction` percent of `unique`. The pool
     used is never smaller than `largest`, the biggest request, which could not run at all."""
+    check_page_size(page_size)
     asked = kv_tokens if kv_tokens is not None else max(1, round(cache_fraction / 100 * unique))
     return asked, pages(max(asked, largest), page_size)
 
