@@ -171,3 +171,27 @@ def test_study_refuses_bad_arguments_before_simulating(bad, tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+@pytest.mark.parametrize("port", ["70000", "0", "http"])
+def test_a_port_out_of_range_is_refused_before_anything_loads(command, port, capsys):
+    """Regression: `serve --port 70000` loaded the model, then died in bind() with a traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--port", port])
+    assert exit_info.value.code == 2
+    assert "argument --port" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_in_use_before_loading_the_model(capsys):
+    """Regression: the model loaded, then uvicorn's bind failed with a traceback and exit 3."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "--host", "127.0.0.1", "--port", str(port), "--model", "/nonexistent"])
+    assert exit_info.value.code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

@@ -582,10 +582,27 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
     )
 
 
+def check_listenable(host: str, port: int) -> None:
+    """Raise unless a server could listen on `host`:`port` now (checked before a model loads
+    for seconds, only to find the port taken)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise InvalidArgumentError(f"cannot listen on {host}:{port}: {reason}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until a signal (exit 0 after draining) or an engine failure (exit 1)."""
     if args.replicas is not None:
         return cmd_serve_replicas(args)
+    check_listenable(args.host, args.port)
     import asyncio
     import signal
 
@@ -660,7 +677,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
         await serving
 
-    asyncio.run(serve_and_announce())
+    try:
+        asyncio.run(serve_and_announce())
+    except SystemExit:
+        if server.started:
+            raise
+        log.critical("radixserve could not start listening on %s:%d", args.host, args.port)
+        return 1
     failure = app.state.worker.failure
     if failure is not None:
         log.critical("radixserve stopped: the engine failed (%s)", type(failure).__name__)
@@ -694,6 +717,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError("a TCP port must be in 1-65535")
     return value
 
 
@@ -828,7 +858,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a .gguf file or HF directory (default: the embedded SmolLM2-135M-Instruct)",
     )
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=30000)
+    sv.add_argument("--port", type=_port, default=30000)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-running-requests", type=int, default=64)
@@ -1026,7 +1056,7 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--model", default=None, help="the served model (for its tokenizer)")
     ro.add_argument("--page-size", type=int, default=1, help="the backends' page size")
     ro.add_argument("--host", default="127.0.0.1")
-    ro.add_argument("--port", type=int, default=30100)
+    ro.add_argument("--port", type=_port, default=30100)
     ro.set_defaults(func=cmd_router)
     return parser
 
