@@ -501,6 +501,24 @@ def test_it_keeps_the_switch_while_another_experts_shadow_still_beats_lrus():
     assert policy.mode == "wgd"
 
 
+def test_it_goes_back_when_the_tree_trails_lrus_shadow_during_the_transition():
+    # Regression (chat-documents at 20%, study seed 32, an eight-epoch trace): the wgd shadow
+    # led LRU's by 8 points, 3 after its handicap; under wgd the tree hit 0.36-0.38 against
+    # LRU's 0.38-0.40 while the shadow still claimed 0.47. The tree waited out its transition
+    # and two epochs of leads, and went back at the trace's last epoch: 1.07 below LRU.
+    policy = _filled_then_switched_to("wgd")
+    _epochs(policy, 1, real=0.37, lru=0.39, lfu=0.3, wgd=0.47)
+    assert policy.mode == "wgd", "one epoch is not evidence"
+    _epochs(policy, 1, real=0.36, lru=0.38, lfu=0.3, wgd=0.47)
+    assert policy.mode == "lru" and policy._misses_in_mode == 0
+
+
+def test_a_transition_within_the_margin_of_lrus_shadow_keeps_the_switch():
+    policy = _filled_then_switched_to("wgd")
+    _epochs(policy, 3, real=0.387, lru=0.39, lfu=0.3, wgd=0.47)
+    assert policy.mode == "wgd"
+
+
 def test_an_unchecked_wgd_shadow_is_handicapped_by_at_most_what_the_reference_hits():
     # A wrong trial of wgd cannot lose more than the tree's rate: where LRU hits nothing (a
     # cycle longer than the cache), a 4-point wgd lead is taken, not held to the 5 points.

@@ -240,6 +240,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._base_gaps: list[float] = []
         self._leads: dict[str, list[float]] = {name: [] for name in EXPERTS}
         self._reversal: list[float] = []
+        self._transition_shortfall: list[float] = []
         self._base = _BaseExpert(self)
         self._base.bind(cache)
         self._learned = LearnedLRUShadow(size, self._base, self._base.classes)
@@ -381,7 +382,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         # transition: its hit rate says little about the expert it follows.
         if misses_before < self._turnover:
             if self.mode != "lru" and self._filled:
-                self._check_reversal(raw)
+                self._check_reversal(real, raw)
             return
         # Each other expert's lead, epoch by epoch: its shadow against what the tree really
         # got. Under the base expert, against the LRU shadow where that is higher: it shares
@@ -407,12 +408,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         if self.mode == "lru":
             gaps.append(real - raw["lru"])
             del gaps[:-_WINDOW_EPOCHS]
-        base_gap, base_error = _mean_and_error(gaps)
-        corrections = {
-            "wgd": gd_correction,
-            "lru": min(0.0, base_gap + 2.0 * base_error),
-            "lfu": 0.0,
-        }
+        corrections = {"wgd": gd_correction, "lru": self._lru_correction(), "lfu": 0.0}
         for name in EXPERTS:
             if name != self.mode:
                 leads = self._leads[name]
@@ -435,15 +431,27 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
             return self._gd_bias
         return -min(_GD_HANDICAP, reference)
 
-    def _check_reversal(self, raw: dict[str, float]) -> None:
-        """In transition after a switch the tree's rate says little, but the shadows still
-        compare. When the LRU shadow leads the shadows of every other expert by over `margin`
-        on the mean of two or more epochs, the evidence the switch was made on is gone and
-        recency is the best of them: the tree goes back to the base expert."""
-        best_other = max(raw["lfu"], raw["wgd"] + self._gd_correction(raw["lru"]))
-        reversal = self._reversal
-        reversal.append(raw["lru"] - best_other)
-        if len(reversal) >= 2 and sum(reversal) / len(reversal) > self.margin:
+    def _lru_correction(self) -> float:
+        """What the LRU shadow is lowered by while the tree follows another expert: how far it
+        surely stood above the tree under the base expert (never a rise)."""
+        base_gap, base_error = _mean_and_error(self._base_gaps)
+        return min(0.0, base_gap + 2.0 * base_error)
+
+    def _check_reversal(self, real: float, raw: dict[str, float]) -> None:
+        """In transition after a switch the tree's rate says little about the expert it now
+        follows, but the floor is LRU's, and the shadows still compare. The tree goes back to
+        the base expert when, on the mean of two or more epochs since the switch, the LRU
+        shadow (corrected) leads the tree by over `margin`, or leads the shadows of every
+        other expert by over `margin`: either the trial is costing what the floor protects,
+        or the evidence it was made on is gone."""
+        lru = raw["lru"]
+        best_other = max(raw["lfu"], raw["wgd"] + self._gd_correction(lru))
+        reversal, shortfall = self._reversal, self._transition_shortfall
+        reversal.append(lru - best_other)
+        shortfall.append(lru + self._lru_correction() - real)
+        if len(reversal) < 2:
+            return
+        if max(sum(reversal), sum(shortfall)) / len(reversal) > self.margin:
             self.follow("lru")
 
     def _judge_base_expert(self, gap: float) -> None:
@@ -486,6 +494,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._use_keys_of(expert)
         self._misses_in_mode = 0
         self._reversal = []
+        self._transition_shortfall = []
         self._leads = {name: [] for name in EXPERTS}
         self.switches.append((self.references, expert))
         self.switch_count += 1
