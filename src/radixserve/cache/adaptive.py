@@ -32,11 +32,12 @@ advance, and the regime changes over a day. So this policy runs all three and me
 
 The floor: while the tree follows another expert, its measured hit rate is compared every epoch
 with the LRU shadow on the same references, and a mean shortfall over `margin` sends it back to
-the base expert. During the transition after a switch, when the tree's rate says little, the
-shadows still compare: when the LRU shadow leads every other expert's (wgd's corrected) by a
-mean over `margin` in two or more epochs, the tree goes back to the base expert at once.
-What is lost in between is the lag: two epochs when the shadows turn, else the transition
-and two epochs.
+the base expert. During the transition after a switch, when the tree's rate says little about
+the expert it follows, the floor still holds and the shadows still compare: when, on the mean
+of two or more epochs, the LRU shadow (lowered as above) leads the tree by over `margin`, or
+leads every other expert's shadow (wgd's corrected) by over `margin`, the tree goes back to
+the base expert at once. What is lost in between is the lag: two epochs in a transition,
+else two epochs.
 
 The base expert has a floor of its own: a fourth shadow runs `learned-lru` with the base
 expert's tolerances on the same sample. Both it and the LRU shadow treat blocks as
