@@ -216,8 +216,9 @@ def test_switches_keep_every_invariant():
         policy.follow("mru")
 
 
-def test_every_shadow_is_fed_its_share_of_the_sampled_blocks():
-    # A large pool: the shadows sample 1,024 blocks of 64 tokens, and the wgd shadow a quarter.
+def test_every_shadow_is_fed_every_sampled_block():
+    # A large pool: the shadows sample 1,024 blocks of 64 tokens. The wgd shadow sees them all:
+    # at a quarter of the sample its own sampling error was several points (a regression).
     policy = AdaptivePolicy()
     cache = RadixCache(TokenToKVPoolAllocator(400_000), eviction_policy=policy)
     rng = np.random.default_rng(2)
@@ -226,8 +227,9 @@ def test_every_shadow_is_fed_its_share_of_the_sampled_blocks():
     policy._feed_shadows()
     assert policy._hasher.block_bytes == 64 * 4
     assert 0.1 < policy._hasher.rate < 0.25
-    assert 300 < policy._refs < 700 and policy._refs == len(policy._lru) == len(policy._lfu)
-    assert 0.1 < policy._gd_refs / policy._refs < 0.45
+    assert 300 < policy._refs < 700
+    assert policy._refs == len(policy._lru) == len(policy._lfu) == len(policy._gd)
+    assert policy._gd.capacity == policy._lru.capacity
 
 
 def test_a_split_node_is_renamed_consistently():

@@ -11,7 +11,9 @@ advance, and the regime changes over a day. So this policy runs all three and me
   ones (where the sample is at most one block in four). The shadows take the sampled
   references in batches of 16 requests. The LRU shadow tracks tree LRU closely (per-page LRU
   is tree LRU); the LFU shadow treats blocks as independent objects, and the wgd shadow,
-  which models a policy of tree nodes with blocks, can be several points optimistic.
+  which models a policy of tree nodes with blocks, can be a few points off. Every shadow
+  sees the whole sample: a wgd shadow fed a quarter of it was up to 16 points optimistic
+  from its own sampling error.
 - **The real tree** ranks its leaves by one expert's key at a time: the base expert's (at
   first), LFU's (hits, last use), or `wgd`'s GreedyDual priorities. Its own hits on the sampled
   pages are counted reference by reference. The base expert, named `lru` in `switches` and
@@ -49,10 +51,9 @@ expert (`plain`), and takes the learned tolerances back on a mean gain over `mar
 twice its standard error.
 
 State of its own: one record per tree node (its prefix's checksums, its first page's name
-and its sampled blocks' names, about 200 bytes); shadows of `sample_pages` (LRU, LFU and
-`learned-lru`) and `sample_pages` / 4 names (wgd) plus the
-wgd shadow's ghosts (2 x its size), about 4,000 names with the default 1,024, whatever the
-pool size; wgd's own window and ghosts (see `WindowedGreedyDualPolicy`), kept only while
+and its sampled blocks' names, about 200 bytes); four shadows of `sample_pages` names each
+(LRU, LFU, `learned-lru`, wgd) plus the wgd shadow's ghosts (2 x its size), about 6,000
+names with the default 1,024, whatever the pool size; wgd's own window and ghosts (see `WindowedGreedyDualPolicy`), kept only while
 the tree follows wgd; and the base expert's counts, node entries and ghosts (see
 `LearnedLRUPolicy`).
 """
@@ -81,7 +82,6 @@ if TYPE_CHECKING:
     from radixserve.cache.radix import RadixCache, TreeNode
 
 EXPERTS = ("wgd", "lru", "lfu")
-_GD_SHARE = 4
 _GD_HANDICAP = 0.05
 _WINDOW_EPOCHS = 16
 _BLOCK_TOKENS = 64
@@ -207,11 +207,9 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._hasher = PrefixHasher(per_block * page_size, rate, page_size)
         self._lru = LRUShadow(size)
         self._lfu = LFUShadow(size)
-        # The wgd shadow costs most per access, so past 256 pages it sees a share of the sample.
-        share = _GD_SHARE if size >= 256 * _GD_SHARE else 1
-        self._gd = GreedyDualShadow(max(1, size // share), self.window, self.ghost)
-        # A name is its CRC-32 above its Adler-32: the wgd share is a lower CRC threshold.
-        self._gd_threshold = self._hasher.threshold // share << 32
+        # The wgd shadow sees the whole sample: at a quarter of it (256 names by default) its
+        # sampling error alone set it 3-16 points off the tree on chat (docs/eviction.md).
+        self._gd = GreedyDualShadow(size, self.window, self.ghost)
         self._names = PrefixRecords(self._hasher)
         self._pending: list[list[int]] = []
         self._pending_times: list[float] = []
@@ -230,13 +228,12 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self.decisions: deque[tuple[int, str, float, dict[str, float]]] = deque(maxlen=_HISTORY)
         self.epochs = 0
         # Per epoch of the latest ones: sampled references, and hits of the tree and of each
-        # shadow (wgd's over its own share of the sample: references, hits).
-        self._recent: deque[tuple[int, int, int, int, int, int, int]] = deque(maxlen=_WINDOW_EPOCHS)
+        # shadow.
+        self._recent: deque[tuple[int, int, int, int, int, int]] = deque(maxlen=_WINDOW_EPOCHS)
         self.references = 0
         self._misses_in_mode = 0
-        self._refs = self._real = self._gd_refs = 0
+        self._refs = self._real = 0
         self._hits = dict.fromkeys(EXPERTS, 0)
-        self._rate: dict[str, float | None] = dict.fromkeys(EXPERTS)
         self._gd_bias: float | None = None
         self._base_gaps: list[float] = []
         self._leads: dict[str, list[float]] = {name: [] for name in EXPERTS}
@@ -340,12 +337,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self._learned_hits += self._learned.reference_all(pending, times)
         hits["lru"] += self._lru.reference_all(pending)
         hits["lfu"] += self._lfu.reference_all(pending)
-        threshold = self._gd_threshold
-        shares = ([page for page in pages if page < threshold] for pages in pending)
-        gd_pending = [share for share in shares if share]
-        if gd_pending:
-            self._gd_refs += sum(map(len, gd_pending))
-            hits["wgd"] += self._gd.reference_all(gd_pending)
+        hits["wgd"] += self._gd.reference_all(pending)
 
     def _decide(self) -> None:
         refs = self._refs
@@ -359,19 +351,13 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
                 hits["lru"],
                 hits["lfu"],
                 self._learned_hits,
-                self._gd_refs,
                 hits["wgd"],
             )
         )
         real = self._real / refs
         raw = {name: self._hits[name] / refs for name in EXPERTS}
-        if self._gd_refs:
-            raw["wgd"] = self._hits["wgd"] / self._gd_refs
-        else:  # no page of this epoch fell in the wgd shadow's share of the sample
-            raw["wgd"] = self._rate["wgd"] if self._rate["wgd"] is not None else real
-        self._rate = raw
         self._hits = dict.fromkeys(EXPERTS, 0)
-        self._refs = self._real = self._gd_refs = 0
+        self._refs = self._real = 0
         misses_before = self._misses_in_mode
         self._misses_in_mode += refs - round(real * refs)
         self.decisions.append((self.references, self.mode, real, raw))
@@ -509,15 +495,14 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
             following = "lru" if self.plain else "learned-lru"
         estimates: dict[str, float] = {}
         if self._recent:
-            refs, real, lru, lfu, learned, gd_refs, gd = map(sum, zip(*self._recent, strict=True))
+            refs, real, lru, lfu, learned, gd = map(sum, zip(*self._recent, strict=True))
             estimates = {
                 "tree": real / refs,
                 "lru": lru / refs,
                 "lfu": lfu / refs,
+                "wgd": gd / refs,
                 "learned-lru": learned / refs,
             }
-            if gd_refs:
-                estimates["wgd"] = gd / gd_refs
         shadows = (self._lru, self._lfu, self._learned, self._gd)
         return AdaptiveSummary(
             following=following,
