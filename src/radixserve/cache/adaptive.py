@@ -53,9 +53,9 @@ twice its standard error.
 State of its own: one record per tree node (its prefix's checksums, its first page's name
 and its sampled blocks' names, about 200 bytes); four shadows of `sample_pages` names each
 (LRU, LFU, `learned-lru`, wgd) plus the wgd shadow's ghosts (2 x its size), about 6,000
-names with the default 1,024, whatever the pool size; wgd's own window and ghosts (see `WindowedGreedyDualPolicy`), kept only while
-the tree follows wgd; and the base expert's counts, node entries and ghosts (see
-`LearnedLRUPolicy`).
+names with the default 1,024, whatever the pool size; wgd's own window and ghosts (see
+`WindowedGreedyDualPolicy`), kept only while the tree follows wgd; and the base expert's
+counts, node entries and ghosts (see `LearnedLRUPolicy`).
 """
 
 from __future__ import annotations
