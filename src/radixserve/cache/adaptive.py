@@ -227,8 +227,7 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         self.switch_count = 0
         self.decisions: deque[tuple[int, str, float, dict[str, float]]] = deque(maxlen=_HISTORY)
         self.epochs = 0
-        # Per epoch of the latest ones: sampled references, and hits of the tree and of each
-        # shadow.
+        # Per epoch of the latest ones: sampled references, and hits of the tree and each shadow.
         self._recent: deque[tuple[int, int, int, int, int, int]] = deque(maxlen=_WINDOW_EPOCHS)
         self.references = 0
         self._misses_in_mode = 0
