@@ -137,6 +137,35 @@ def test_the_greedy_dual_shadows_batched_references_equal_the_base_class_steps()
     assert list(fast._ghosts) == list(slow._ghosts) and fast._level == slow._level
 
 
+class _ScanGreedyDualShadow(GreedyDualShadow):
+    """The wgd shadow with its heap replaced by a scan of every key: the plain model."""
+
+    def _pop_least(self) -> tuple:
+        return min(self._keys.values())
+
+
+@pytest.mark.parametrize("capacity", [12, 40])
+def test_the_greedy_dual_shadows_heap_evicts_the_least_key(capacity):
+    # Hits raise keys without touching the heap; the least key must still leave first, with
+    # pages that come back after eviction and pages demoted out of the window.
+    fast, plain = GreedyDualShadow(capacity, 0.25, 1.0), _ScanGreedyDualShadow(capacity, 0.25, 1.0)
+    rng = random.Random(capacity)
+    hot = list(range(capacity // 2))
+    requests = [
+        rng.sample(hot, 3) if rng.random() < 0.6 else rng.sample(range(3 * capacity), 4)
+        for _ in range(6_000)
+    ]
+    for start in range(0, len(requests), 40):
+        batch = requests[start : start + 40]
+        assert fast.reference_all(batch) == sum(_Shadow.reference(plain, r) for r in batch)
+    assert fast._keys == plain._keys and fast._hits == plain._hits
+    assert list(fast._ghosts) == list(plain._ghosts) and fast._level == plain._level
+    cached = list(fast._keys)[:3]
+    heap = len(fast._heap)
+    assert fast.reference_all([cached] * 100) == 300
+    assert len(fast._heap) == heap, "a hit costs no heap entry"
+
+
 def test_a_request_does_not_evict_its_own_pages():
     for shadow in (LRUShadow(4), LFUShadow(4), GreedyDualShadow(4, 0.25, 1.0)):
         assert shadow.reference([3, 2, 1]) == 0

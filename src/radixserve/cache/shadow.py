@@ -375,7 +375,13 @@ class GreedyDualShadow(_Shadow):
     def __init__(self, capacity: int, window: float, ghost: float) -> None:
         self.capacity = capacity
         self.clock = 0
+        # page -> its key as a heap entry (priority, segment, stamp, page). A hit only raises
+        # a page's key (in `_unheaped` until its entry is pushed): an older, lower entry of the
+        # page stays in the heap, and when it comes to the top the current one is pushed. So
+        # the heap holds, for every page, an entry no higher than its key, its top is the
+        # least key when current, and a hit costs no heap operation.
         self._keys: dict[int, tuple] = {}
+        self._unheaped: set[int] = set()
         self._heap: list[tuple] = []
         self._window_limit = max(1, int(window * capacity))
         self._ghost_limit = int(ghost * capacity)
@@ -390,40 +396,44 @@ class GreedyDualShadow(_Shadow):
     def __len__(self) -> int:
         return len(self._keys)
 
-    def _set(self, page: int, key: tuple) -> None:
-        self._keys[page] = key
-        heapq.heappush(self._heap, (*key, page))
-        if len(self._heap) > 2 * len(self._keys) + 1024:
-            self._heap = [(*k, p) for p, k in self._keys.items()]
-            heapq.heapify(self._heap)
+    def _set(self, page: int, priority: float, segment: int, stamp: int) -> None:
+        """Give `page` a key that may be lower than its last: its entry goes in the heap."""
+        entry = self._keys[page] = (priority, segment, stamp, page)
+        self._unheaped.discard(page)
+        heap = self._heap
+        heapq.heappush(heap, entry)
+        if len(heap) > 2 * len(self._keys) + 1024:
+            heap[:] = self._keys.values()  # in place: reference_all holds this list
+            heapq.heapify(heap)
+            self._unheaped.clear()
+
+    def reference(self, pages: list[int]) -> int:
+        return self.reference_all([pages])
 
     def reference_all(self, requests: list[list[int]]) -> int:
-        # The base class's steps; a request whose pages are all cached (the common case) is
-        # written out without a call per page.
-        keys, hits_of, in_window = self._keys, self._hits, self._in_window
-        reference = self.reference
-        log2, push = math.log2, heapq.heappush
+        # The base class's steps, with the hits (`_hit`) written out on local state.
+        keys, hits_of, in_window, unheaped = self._keys, self._hits, self._in_window, self._unheaped
+        log2 = math.log2
+        clock, level = self.clock, self._level
         total = 0
         for pages in requests:
-            if not all(page in keys for page in pages):
-                total += reference(pages)
-                continue
-            total += len(pages)
-            level = self._level
-            heap = self._heap
-            clock = self.clock
+            misses = []
             for page in pages:
+                if page not in keys:
+                    misses.append(page)
+                    continue
                 clock += 1
                 count = hits_of[page] + 1
                 hits_of[page] = count
                 in_window.discard(page)
-                priority = level + log2(2 + count)
-                keys[page] = (priority, 1, clock)
-                push(heap, (priority, 1, clock, page))
-            self.clock = clock
-            if len(heap) > 2 * len(keys) + 1024:
-                self._heap = [(*k, p) for p, k in keys.items()]
-                heapq.heapify(self._heap)
+                keys[page] = (level + log2(2 + count), 1, clock, page)
+                unheaped.add(page)
+            total += len(pages) - len(misses)
+            if misses:
+                self.clock, self._level = clock, level
+                self._admit(misses)
+                clock, level = self.clock, self._level
+        self.clock, self._level = clock, level
         return total
 
     def _hit(self, page: int) -> None:
@@ -431,13 +441,14 @@ class GreedyDualShadow(_Shadow):
         count = self._hits[page] + 1
         self._hits[page] = count
         self._in_window.discard(page)
-        self._set(page, (self._level + math.log2(2 + count), 1, self.clock))
+        self._keys[page] = (self._level + math.log2(2 + count), 1, self.clock, page)
+        self._unheaped.add(page)  # a higher key than the page's entry in the heap
 
     def _insert(self, page: int) -> None:
         self.clock += 1
         level = self._level
         self._hits[page] = 0
-        self._set(page, (level + 1.0, 1, self.clock))
+        self._set(page, level + 1.0, 1, self.clock)
         if page in self._ghosts:  # came back soon after eviction: protected
             del self._ghosts[page]
             return
@@ -449,18 +460,28 @@ class GreedyDualShadow(_Shadow):
                 self._in_window.discard(old)
                 if not self._hits[old]:
                     self._demotions += 1
-                    self._set(old, (level, 0, -self._demotions))
+                    self._set(old, level, 0, -self._demotions)
+
+    def _pop_least(self) -> tuple:
+        """The entry of the page with the least key, out of the heap."""
+        keys, unheaped, heap = self._keys, self._unheaped, self._heap
+        while True:
+            entry = heapq.heappop(heap)
+            page = entry[3]
+            current = keys.get(page)
+            if current is entry:
+                return entry
+            if page in unheaped:  # the page's key was raised since: it takes its place
+                unheaped.discard(page)
+                heapq.heappush(heap, current)
 
     def _evict(self) -> None:
-        while True:
-            entry = heapq.heappop(self._heap)
-            victim, key = entry[3], entry[:3]
-            if self._keys.get(victim) == key:
-                break
+        entry = self._pop_least()
+        victim = entry[3]
         del self._keys[victim]
-        self._level = max(self._level, key[0])
+        self._level = max(self._level, entry[0])
         self._in_window.discard(victim)
-        if key[1] == 0 and self._ghost_limit:
+        if entry[1] == 0 and self._ghost_limit:
             self._ghosts[victim] = None
             if len(self._ghosts) > self._ghost_limit:
                 self._ghosts.popitem(last=False)
