@@ -30,6 +30,7 @@ from radixserve.cache.shadow import (
 )
 from radixserve.errors import InvalidArgumentError
 from radixserve.sim.cacheonly import simulate_cache
+from radixserve.sim.study import study_trace
 from radixserve.sim.workloads import make_workload
 
 # -- prefix hashes ------------------------------------------------------------------------------
@@ -259,6 +260,31 @@ def test_every_shadow_is_fed_every_sampled_block():
     assert 300 < policy._refs < 700
     assert policy._refs == len(policy._lru) == len(policy._lfu) == len(policy._gd)
     assert policy._gd.capacity == policy._lru.capacity
+
+
+def _epochs_with_batch(monkeypatch, batch: int, trace) -> tuple[list, int]:
+    import radixserve.cache.adaptive as adaptive
+
+    monkeypatch.setattr(adaptive, "_BATCH", batch)
+    changes = []
+    changed = adaptive._BaseExpert.tolerance_changed
+    monkeypatch.setattr(
+        adaptive._BaseExpert, "tolerance_changed", lambda self: (changes.append(1), changed(self))
+    )
+    policy = AdaptivePolicy(margin=0.99)  # never switches: only the shadows' counts differ
+    simulate_cache(trace, policy, cache_fraction=2)
+    return list(policy._recent), len(changes)
+
+
+def test_the_shadows_counts_do_not_depend_on_how_references_are_batched(monkeypatch):
+    # The learned-lru shadow evicts by the base expert's tolerances: those in force when its
+    # references happened, however many requests are held back (a batch of 16 once read a
+    # newer tolerance for the older references of a batch).
+    trace = study_trace("chat", scale=0.25)
+    one, changes = _epochs_with_batch(monkeypatch, 1, trace)
+    assert changes >= 3 and len(one) >= 5, "the tolerances moved while the shadows were fed"
+    for batch in (16, 64):
+        assert _epochs_with_batch(monkeypatch, batch, trace)[0] == one
 
 
 def test_a_split_node_is_renamed_consistently():

@@ -9,11 +9,12 @@ advance, and the regime changes over a day. So this policy runs all three and me
   subset of the blocks every request references, so each estimates what its policy would hit
   at the real cache's size. A block is a page in small pools and grows to 64 tokens in large
   ones (where the sample is at most one block in four). The shadows take the sampled
-  references in batches of 16 requests. The LRU shadow tracks tree LRU closely (per-page LRU
-  is tree LRU); the LFU shadow treats blocks as independent objects, and the wgd shadow,
-  which models a policy of tree nodes with blocks, can be a few points off. Every shadow
-  sees the whole sample: a wgd shadow fed a quarter of it was up to 16 points optimistic
-  from its own sampling error.
+  references in batches of up to 64 requests, cut before every decision and every change
+  of the base expert's tolerances, so a batch changes no count. The LRU shadow tracks tree
+  LRU closely (per-page LRU is tree LRU); the LFU shadow treats blocks as independent
+  objects, and the wgd shadow, which models a policy of tree nodes with blocks, can be a
+  few points off. Every shadow sees the whole sample: a wgd shadow fed a quarter of it was
+  up to 16 points optimistic from its own sampling error.
 - **The real tree** ranks its leaves by one expert's key at a time: the base expert's (at
   first), LFU's (hits, last use), or `wgd`'s GreedyDual priorities. Its own hits on the sampled
   pages are counted reference by reference. The base expert, named `lru` in `switches` and
@@ -85,7 +86,7 @@ EXPERTS = ("wgd", "lru", "lfu")
 _GD_HANDICAP = 0.05
 _WINDOW_EPOCHS = 16
 _BLOCK_TOKENS = 64
-_BATCH = 16  # requests whose sampled references the shadows take at once
+_BATCH = 64  # requests whose sampled references the shadows take at once, at most
 _HISTORY = 1024  # entries kept in `decisions`, `switches` and `plain_switches`
 
 
@@ -141,6 +142,12 @@ class _BaseExpert(LearnedLRUPolicy):
     def tolerance_changed(self) -> None:
         if self._owner.mode == "lru" and not self._owner.plain:
             super().tolerance_changed()
+
+    def _renew(self) -> None:
+        # The learned-lru shadow reads these tolerances when it evicts: it takes the
+        # references held back before they move, as if it had been fed each one at once.
+        self._owner._feed_shadows()
+        super()._renew()
 
     def identity(self, node: TreeNode) -> int:
         return self._owner._names.identity(node)  # the names the shadows already keep
@@ -327,8 +334,10 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
     def _feed_shadows(self) -> None:
         """Give the shadows the references held back, in order, one shadow at a time.
 
-        The shadows do not act on the tree, so holding references back changes nothing but
-        speed: a shadow's state stays in the CPU's caches through a batch.
+        The shadows do not act on the tree, and they are fed before every decision and every
+        change of the base expert's tolerances (which the learned-lru shadow reads), so holding
+        references back changes nothing but speed: a shadow's state stays in the CPU's caches
+        through a batch. A test holds the counts equal for batches of 1, 16 and 64.
         """
         pending, self._pending = self._pending, []
         times, self._pending_times = self._pending_times, []
