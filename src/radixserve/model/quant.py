@@ -227,8 +227,8 @@ class _PackedLinear(nn.Module):
 
     def pack_dense(self, rows_hint: int) -> bool:
         """Move the dense copy into oneDNN's blocked layout; False (nothing changed) where
-        there is no dense copy, or this torch build or CPU has no oneDNN."""
-        if self.dense_t is None or not torch.backends.mkldnn.is_available():
+        there is no dense copy, or this torch build or CPU cannot block bfloat16 weights."""
+        if self.dense_t is None or not onednn_blocks_bfloat16():
             return False
         weight = self.dense_t.t().contiguous()  # [out, in], as oneDNN's linear takes it
         try:
@@ -526,6 +526,19 @@ def _quantized(
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+@functools.cache
+def onednn_blocks_bfloat16() -> bool:
+    """Whether oneDNN can put bfloat16 weights in its blocked layout here: torch needs a build
+    with oneDNN and a CPU with AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU has neither)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_dense_copies(model: nn.Module, rows_hint: int = 32) -> int:
