@@ -195,3 +195,19 @@ def test_serve_refuses_a_port_in_use_before_loading_the_model(capsys):
             main(["serve", "--host", "127.0.0.1", "--port", str(port), "--model", "/nonexistent"])
     assert exit_info.value.code == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_serve_and_the_engine_evict_by_adaptive_unless_told_otherwise():
+    """`adaptive` is the recommended policy (docs/eviction.md), so it is what a server started
+    without `--eviction-policy` runs; `--eviction-policy lru` still gives SGLang's default."""
+    from radixserve.cli import _engine_options, build_parser
+    from radixserve.config import EngineConfig
+
+    parser = build_parser()
+    assert _engine_options(parser.parse_args(["serve"]))["eviction_policy"] == "adaptive"
+    assert EngineConfig().eviction_policy == "adaptive"
+    chosen = parser.parse_args(["serve", "--eviction-policy", "lru"])
+    assert (
+        EngineConfig(eviction_policy=_engine_options(chosen)["eviction_policy"]).eviction_policy
+        == "lru"
+    )

@@ -865,7 +865,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queued-requests", type=int, default=1024)
     sv.add_argument("--disable-radix-cache", action="store_true")
     sv.add_argument("--page-size", type=int, default=1)
-    sv.add_argument("--eviction-policy", default="lru")
+    sv.add_argument(
+        "--eviction-policy",
+        default="adaptive",
+        help="which evictable prefixes leave the device pool first (default adaptive; lru for "
+        "SGLang's default)",
+    )
     sv.add_argument("--schedule-policy", default="fcfs")
     sv.add_argument("--kv-cache-tokens", type=int, default=None)
     sv.add_argument("--chunked-prefill-size", type=int, default=2048)

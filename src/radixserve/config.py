@@ -20,7 +20,7 @@ class EngineConfig:
     model: str | None = None
     enable_radix_cache: bool = True
     page_size: int = 1
-    eviction_policy: str = "lru"
+    eviction_policy: str = "adaptive"
     schedule_policy: str = "fcfs"
     kv_cache_tokens: int | None = None
     chunked_prefill_size: int = 2048

@@ -161,7 +161,7 @@ def test_the_host_tier_brings_back_a_prefix_the_device_evicted(llama_dir, policy
 def test_the_host_tier_evicts_by_its_own_policy(llama_dir):
     engine = host_engine(llama_dir, "write_through", hicache_eviction_policy="lfu")
     assert engine.host_tier.storage.policy.name == "lfu"
-    assert engine.cache.policy.name == "lru"
+    assert engine.cache.policy.name == "adaptive"  # the device pool keeps the engine's default
     run_host(engine, LONG)
     idle_check(engine)
     with pytest.raises(InvalidArgumentError, match="hicache_eviction_policy must be one of"):
