@@ -9,8 +9,10 @@ Each request goes through the engine's cache path: match_prefix, lock, evict if 
 short, alloc, insert, free the duplicates, unlock. The reference is a radix tree like SGLang's
 first version: children keyed by token, a per-token comparison loop, and an evict that scans
 the whole tree for leaves on every call. It gets its keys as Python lists, its best format;
-RadixCache gets int32 numpy arrays. Reported per call: match and insert mean and p99 in µs,
-evict in ms; per workload: total time and token hit rate; then the reference/radixserve ratios.
+RadixCache gets int32 numpy arrays, and a logical clock that ticks once per call, so that
+policies that read ages (`learned-lru`, `adaptive`) decide alike, and hit alike, in every run.
+Reported per call: match and insert mean and p99 in µs, evict in ms; per workload: total time
+and token hit rate; then the reference/radixserve ratios.
 
     python bench/cache_ops.py            # the full workloads
     python bench/cache_ops.py --quick    # a tenth of the requests
@@ -26,8 +28,10 @@ CPU time follow, which time spent descheduled does not inflate.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import heapq
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -209,7 +213,13 @@ def run(work: Workload, naive: bool = False, as_list: bool = False, policy: str 
     """Serve the workload's keys through the engine's cache path on one of the two trees."""
     gc.collect()  # start clean: garbage from the previous run would be collected on our clock
     allocator = TokenToKVPoolAllocator(work.pool)
-    tree = NaiveRadixTree(allocator) if naive else RadixCache(allocator, eviction_policy=policy)
+    if naive:
+        tree = NaiveRadixTree(allocator)
+    else:
+        # A logical clock, one tick per call: policies that read ages (learned-lru, adaptive)
+        # then decide alike in every run, whatever the machine's speed.
+        tick = functools.partial(next, itertools.count(0.0))
+        tree = RadixCache(allocator, eviction_policy=policy, clock=tick)
     keys = [k.tolist() for k in work.keys] if naive or as_list else work.keys
     out = Timings()
     clock = time.perf_counter
