@@ -146,6 +146,16 @@ class CacheMachine(RuleBasedStateMachine):
     def tick(self, dt):
         self.clock.advance(dt)
 
+    @precondition(lambda self: self.policy == "adaptive")
+    @rule(expert=st.sampled_from(["wgd", "lfu", "lru"]), plain=st.booleans())
+    def follow(self, expert, plain):
+        # adaptive switches by itself only after thousands of references: here, by hand, with
+        # its base expert's floor (plain recency) on or off, so every ranking meets every rule.
+        policy = self.cache.policy
+        if plain != policy.plain:
+            policy._set_plain(plain)
+        policy.follow(expert)
+
     @precondition(lambda self: not self.locks)
     @rule()
     def reset(self):
