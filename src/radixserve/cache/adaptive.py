@@ -35,12 +35,14 @@ advance, and the regime changes over a day. So this policy runs all three and me
 
 The floor: while the tree follows another expert, its measured hit rate is compared every epoch
 with the LRU shadow on the same references, and a mean shortfall over `margin` sends it back to
-the base expert. During the transition after a switch, when the tree's rate says little about
-the expert it follows, the floor still holds and the shadows still compare: when, on the mean
-of two or more epochs, the LRU shadow (lowered as above) leads the tree by over `margin`, or
-leads every other expert's shadow (wgd's corrected) by over `margin`, the tree goes back to
-the base expert at once. What is lost in between is the lag: two epochs in a transition,
-else two epochs.
+the base expert. The shadows still compare too: when, on the mean of two or more epochs since
+the switch, the LRU shadow leads every other expert's shadow (wgd's corrected) by over
+`margin`, the evidence the switch was made on is gone and the tree goes back at once (a
+switch that paid for some epochs, then turned, would otherwise hold the mean shortfall under
+`margin` for as long again). During the transition after a switch, when the tree's rate says
+little about the expert it follows, the floor still holds: on the mean of two or more epochs,
+a lead of the LRU shadow (lowered as above) over the tree of over `margin` sends it back.
+What is lost in between is the lag: two epochs in a transition, else two epochs.
 
 The base expert has a floor of its own: a fourth shadow runs `learned-lru` with the base
 expert's tolerances on the same sample. Both it and the LRU shadow treat blocks as
@@ -375,9 +377,12 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
             self._judge_base_expert(learned - raw["lru"])
         # Until the tree has filled, or replaced its contents since a switch, it is in
         # transition: its hit rate says little about the expert it follows.
-        if misses_before < self._turnover:
-            if self.mode != "lru" and self._filled:
-                self._check_reversal(real, raw)
+        transition = misses_before < self._turnover
+        if self.mode != "lru" and self._filled:
+            self._check_reversal(real, raw, transition)
+            if self.mode == "lru":
+                return
+        if transition:
             return
         # Each other expert's lead, epoch by epoch: its shadow against what the tree really
         # got. Under the base expert, against the LRU shadow where that is higher: it shares
@@ -432,21 +437,26 @@ class AdaptivePolicy(WindowedGreedyDualPolicy):
         base_gap, base_error = _mean_and_error(self._base_gaps)
         return min(0.0, base_gap + 2.0 * base_error)
 
-    def _check_reversal(self, real: float, raw: dict[str, float]) -> None:
-        """In transition after a switch the tree's rate says little about the expert it now
-        follows, but the floor is LRU's, and the shadows still compare. The tree goes back to
-        the base expert when, on the mean of two or more epochs since the switch, the LRU
-        shadow (corrected) leads the tree by over `margin`, or leads the shadows of every
-        other expert by over `margin`: either the trial is costing what the floor protects,
-        or the evidence it was made on is gone."""
+    def _check_reversal(self, real: float, raw: dict[str, float], transition: bool) -> None:
+        """While the tree follows another expert, the shadows still compare. The tree goes
+        back to the base expert when, on the mean of two or more epochs since the switch (the
+        latest 16), the LRU shadow leads the shadows of every other expert by over `margin`:
+        the evidence the switch was made on is gone. In transition, when the tree's rate says
+        little about the expert it now follows but the floor is still LRU's, it also goes
+        back when the LRU shadow (corrected) leads the tree by over `margin` on the mean of
+        the epochs since the switch: the trial is costing what the floor protects."""
         lru = raw["lru"]
         best_other = max(raw["lfu"], raw["wgd"] + self._gd_correction(lru))
         reversal, shortfall = self._reversal, self._transition_shortfall
         reversal.append(lru - best_other)
-        shortfall.append(lru + self._lru_correction() - real)
+        del reversal[:-_WINDOW_EPOCHS]
+        if transition:
+            shortfall.append(lru + self._lru_correction() - real)
         if len(reversal) < 2:
             return
-        if max(sum(reversal), sum(shortfall)) / len(reversal) > self.margin:
+        turned = sum(reversal) / len(reversal) > self.margin
+        short = transition and sum(shortfall) / len(shortfall) > self.margin
+        if turned or short:
             self.follow("lru")
 
     def _judge_base_expert(self, gap: float) -> None:
