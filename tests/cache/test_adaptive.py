@@ -355,28 +355,39 @@ def _switched_to_lfu(base_epochs: int, real: float, lru: float, lfu: float) -> A
     return policy
 
 
-def test_an_lru_shadow_seen_optimistic_under_the_base_expert_is_lowered_after_a_switch():
-    # Regression (few-shot at 20% in the study): the LRU shadow stood 2 points above the tree
-    # under the base expert, so once the tree followed LFU, the same optimism read as an LRU
-    # lead and sent it back, though LFU was ahead.
-    # The shadows share that optimism: the LFU shadow still leads the LRU shadow.
-    policy = _switched_to_lfu(6, real=0.30, lru=0.32, lfu=0.33)
-    _epochs(policy, 16, real=0.31, lru=0.32, lfu=0.33, wgd=0.0)
-    assert policy.mode == "lfu"
-    _epochs(policy, 16, real=0.27, lru=0.32, lfu=0.33, wgd=0.0)
-    assert policy.mode == "lru", "a shortfall past the correction still sends it back"
-
-
-def test_it_goes_back_when_the_shadows_turn_after_the_transition():
-    # Regression (popularity-drift at 20%, study seeds 45 and 47): LFU's shadow led, the tree
-    # followed it and matched LRU's shadow for four epochs, then popularity moved and LFU's
-    # shadow fell 4-16 points under LRU's. The mean shortfall since the switch stayed under
-    # the margin, and the tree kept LFU to the trace's end: 1.1 and 1.0 points under LRU.
-    policy = _switched_to_lfu(6, real=0.50, lru=0.50, lfu=0.50)
-    _epochs(policy, 4, real=0.52, lru=0.51, lfu=0.52, wgd=0.0)
-    assert policy.mode == "lfu"
-    _epochs(policy, 1, real=0.50, lru=0.51, lfu=0.43, wgd=0.0)
-    assert policy.mode == "lru", "the evidence the switch was made on is gone"
+@pytest.mark.parametrize(
+    ("base", "paying", "not_paying"),
+    [
+        # Regression (few-shot at 20% in the study): the LRU shadow stood 2 points above the
+        # tree under the base expert, so once the tree followed LFU, the same optimism read as
+        # an LRU lead and sent it back, though LFU was ahead. The LFU shadow shares that
+        # optimism; a shortfall past the correction still sends the tree back.
+        pytest.param(
+            (0.30, 0.32, 0.33),
+            (16, 0.31, 0.32, 0.33),
+            (16, 0.27, 0.32, 0.33),
+            id="an-lru-shadow-seen-optimistic-is-lowered",
+        ),
+        # Regression (popularity-drift at 20%, study seeds 45 and 47): the tree followed LFU
+        # and matched LRU's shadow for four epochs, then popularity moved and LFU's shadow
+        # fell 4-16 points under LRU's. The mean shortfall since the switch stayed under the
+        # margin, and the tree kept LFU to the trace's end: 1.1 and 1.0 points under LRU. The
+        # evidence the switch was made on is gone once the shadows turn.
+        pytest.param(
+            (0.50, 0.50, 0.50),
+            (4, 0.52, 0.51, 0.52),
+            (1, 0.50, 0.51, 0.43),
+            id="the-shadows-turn-after-the-transition",
+        ),
+    ],
+)
+def test_after_a_switch_it_keeps_lfu_while_lfu_pays_and_goes_back_when_not(
+    base, paying, not_paying
+):
+    policy = _switched_to_lfu(6, *base)
+    for (epochs, real, lru, lfu), mode in ((paying, "lfu"), (not_paying, "lru")):
+        _epochs(policy, epochs, real=real, lru=lru, lfu=lfu, wgd=0.0)
+        assert policy.mode == mode
 
 
 def test_a_base_expert_better_than_its_shadow_does_not_raise_lru_after_a_switch():
